@@ -1,0 +1,1 @@
+"""Attention kernels (Pallas) with their jnp references and dispatch."""

@@ -1,0 +1,1 @@
+"""Flax model code: Llama-family decoder, KV cache, loaders, tokenizer."""

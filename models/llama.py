@@ -1,0 +1,283 @@
+"""Llama-family decoder in Flax linen: GQA, rotate-half RoPE, RMSNorm, SwiGLU, tied or separate head.
+
+The layers are one `nn.scan` (params stacked on a leading layer axis), so compile time does not
+grow with depth. The forward is pure:
+
+    out = forward(cfg, params, tokens [B, T], positions [B, T], cache, tree_mask [B, T, T])
+
+writes the T new keys/values at each row's own offset `cache.lengths[b]` and returns logits,
+requested hidden states and the cache (lengths unchanged: commit is the caller's choice).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.kernels.dispatch import verify_attention
+from specjax.models.cache import KVCache, init_cache, write
+from specjax.models.config import ModelConfig, RopeScaling
+
+Params = Any
+
+
+@struct.dataclass
+class ForwardOutput:
+    logits: jax.Array | None  # [B, K, V] f32 (K = T, or the number of logit_indices)
+    hidden: jax.Array  # [B, T, H] final hidden state after the last norm
+    layer_hidden: tuple[jax.Array, ...]  # each [B, T, H]: output of the requested layers
+    cache: KVCache
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """`[Dh/2]` inverse frequencies, with Llama-3 frequency-dependent scaling when given."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, Dh]` (f32) for integer positions `[B, T]` (rotate-half layout)."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x `[B, T, H, Dh]` with cos/sin `[B, T, Dh]`; math in f32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [..., D]
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nn.initializers.normal(0.02),
+        name=name,
+    )
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask):
+        """x `[B, T, H]`; k/v_cache `[B, S, KVH, Dh]` -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
+        cfg = self.cfg
+        dtype = cfg.jnp_dtype
+        batch, seq = x.shape[:2]
+        q = _dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.attention_bias)(x)
+        k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.attention_bias)(x)
+        v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.attention_bias)(x)
+        q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        attn = verify_attention(
+            q, k, v, k_cache, v_cache, lengths, tree_mask, impl=cfg.attention_impl
+        )
+        out = _dense(cfg.hidden_size, "o_proj", dtype)(attn.reshape(batch, seq, -1))
+        return out, k, v
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        dtype = cfg.jnp_dtype
+        gate = _dense(cfg.intermediate_size, "gate_proj", dtype)(x)
+        up = _dense(cfg.intermediate_size, "up_proj", dtype)(x)
+        return _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    collect_hidden: bool = False
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask):
+        cfg = self.cfg
+        dtype = cfg.jnp_dtype
+        attn_out, k_new, v_new = Attention(cfg, name="self_attn")(
+            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x),
+            k_cache, v_cache, cos, sin, lengths, tree_mask,
+        )
+        x = x + attn_out
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
+        return x, (k_new, v_new, x if self.collect_hidden else None)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + final norm + LM head. See `forward` for the calling convention."""
+
+    cfg: ModelConfig
+    collect_hidden: bool = False
+
+    def setup(self):
+        cfg = self.cfg
+        dtype = cfg.jnp_dtype
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nn.initializers.normal(0.02),
+        )
+        scanned = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )
+        self.layers = scanned(cfg, self.collect_hidden)
+        self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _dense(cfg.vocab_size, "lm_head", dtype)
+
+    def __call__(self, tokens, positions, k_cache, v_cache, lengths, tree_mask):
+        """Returns (final hidden `[B, T, H]`, k_new/v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)."""
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_tables(self.cfg, positions)
+        x, (k_new, v_new, hiddens) = self.layers(x, k_cache, v_cache, cos, sin, lengths, tree_mask)
+        return self.norm(x), k_new, v_new, hiddens
+
+    def logits(self, hidden):
+        """`[..., H]` -> f32 logits `[..., V]`."""
+        if self.cfg.tie_word_embeddings:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functional API
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_mask(batch: int, seq: int) -> jax.Array:
+    """`[B, T, T]` lower-triangular (chain) mask."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), (batch, seq, seq))
+
+
+def forward(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    tree_mask: jax.Array | None = None,
+    *,
+    hidden_layers: tuple[int, ...] = (),
+    logit_indices: jax.Array | None = None,
+    compute_logits: bool = True,
+) -> ForwardOutput:
+    """One target forward over T new tokens per row.
+
+    Args:
+      cfg: static model config.
+      params: the model's params pytree (`{"params": ...}`).
+      tokens: `[B, T]` int32 new token ids.
+      positions: `[B, T]` int32 RoPE positions (`lengths + depth` for a draft tree).
+      cache: KV cache; row b attends to its entries `[0, cache.lengths[b])`.
+      tree_mask: `[B, T, T]` bool ancestor mask among the new tokens (None = causal chain).
+      hidden_layers: static indices of layers whose output hidden state `[B, T, H]` to return
+        (0-based; -1 style negative indices allowed).
+      logit_indices: optional `[B, K]` indices into T: logits only at those tokens.
+      compute_logits: skip the LM head entirely when False.
+
+    Returns:
+      ForwardOutput with logits `[B, K, V]` f32 and the cache holding the T new entries at
+      `[lengths[b], lengths[b] + T)` (lengths not advanced).
+    """
+    batch, seq = tokens.shape
+    if tree_mask is None:
+        tree_mask = causal_mask(batch, seq)
+    model = LlamaModel(cfg, collect_hidden=bool(hidden_layers))
+    hidden, k_new, v_new, hiddens = model.apply(
+        params, tokens, positions, cache.k, cache.v, cache.lengths, tree_mask
+    )
+    layer_hidden = tuple(hiddens[i] for i in hidden_layers) if hidden_layers else ()
+    logits = None
+    if compute_logits:
+        selected = hidden
+        if logit_indices is not None:
+            selected = jnp.take_along_axis(hidden, logit_indices[..., None], axis=1)
+        logits = model.apply(params, selected, method=LlamaModel.logits)
+    return ForwardOutput(
+        logits=logits, hidden=hidden, layer_hidden=layer_hidden, cache=write(cache, k_new, v_new)
+    )
+
+
+def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """LM head on hidden states `[..., H]` -> f32 logits `[..., V]`."""
+    return LlamaModel(cfg).apply(params, hidden, method=LlamaModel.logits)
+
+
+def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings `[..., H]` in the model dtype."""
+    return LlamaModel(cfg).apply(params, tokens, method=LlamaModel.embed)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random params (normal 0.02) with the exact tree the loaders produce."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    cache = init_cache(cfg, 1, 1)
+    params = LlamaModel(cfg).init(
+        key, tokens, tokens, cache.k, cache.v, cache.lengths, causal_mask(1, 1)
+    )
+    # Touch the head so an untied lm_head is created.
+    head = LlamaModel(cfg).init(key, jnp.zeros((1, cfg.hidden_size), cfg.jnp_dtype), method=LlamaModel.logits)
+    return {"params": {**head["params"], **params["params"]}}

@@ -1,0 +1,2 @@
+"""specjax: speculative decoding in JAX."""
+__version__ = "0.1.0"

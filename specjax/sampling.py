@@ -1,0 +1,100 @@
+"""Logit processing and sampling, all in f32.
+
+Temperature, top-k and top-p are dynamic values (a pytree), so changing them never recompiles.
+The same `probabilities` transform is applied to the target's and the drafter's logits before
+any acceptance rule, which is what makes speculative sampling exact.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NEG_INF = -jnp.inf
+
+
+@struct.dataclass
+class SamplingParams:
+    """Dynamic sampling knobs (scalars, shared by every row of a batch).
+
+    temperature: 0 means greedy (argmax); top_k: 0 means off; top_p: 1.0 means off.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def make(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        return cls(
+            temperature=jnp.float32(temperature),
+            top_k=jnp.int32(top_k or 0),
+            top_p=jnp.float32(1.0 if top_p is None else top_p),
+        )
+
+    @property
+    def is_greedy(self) -> jax.Array:
+        return self.temperature <= 0.0
+
+
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (-inf) logits `[..., V]` outside top-k, then outside the top-p nucleus. f32."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take(sorted_desc, k - 1, axis=-1)[..., None]
+    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, NEG_INF)
+    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_count = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
+    nucleus_min = jnp.take_along_axis(sorted_desc, keep_count - 1, axis=-1)
+    threshold = jnp.maximum(kth, nucleus_min)
+    return jnp.where(logits >= threshold, logits, NEG_INF)
+
+
+def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, then top-k, then top-p, on f32 logits `[..., V]`. Unfiltered tokens are -inf."""
+    logits = logits.astype(jnp.float32) / jnp.where(params.is_greedy, 1.0, params.temperature)
+    needs_filter = (params.top_k > 0) | (params.top_p < 1.0)
+    return jax.lax.cond(
+        needs_filter,
+        lambda x: _top_k_top_p(x, params.top_k, params.top_p),
+        lambda x: x,
+        logits,
+    )
+
+
+def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The distribution a token is drawn from, `[..., V]` f32: one-hot argmax when greedy."""
+
+    def greedy(x):
+        return jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
+
+    def sampled(x):
+        return jax.nn.softmax(processed_logits(x, params), axis=-1)
+
+    return jax.lax.cond(params.is_greedy, greedy, sampled, logits.astype(jnp.float32))
+
+
+def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Draws token ids `[...]` int32 from logits `[..., V]` (argmax when greedy)."""
+
+    def greedy(x):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    def sampled(x):
+        return jax.random.categorical(key, processed_logits(x, params), axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(params.is_greedy, greedy, sampled, logits.astype(jnp.float32))
+
+
+def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draws token ids `[...]` from explicit probabilities `[..., V]` (need not be normalised)."""
+    safe = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), NEG_INF)
+    return jax.random.categorical(key, safe, axis=-1).astype(jnp.int32)

@@ -1,0 +1,223 @@
+"""Batched decoding state and the plain autoregressive program (prefill + decode in ONE jit).
+
+State invariants, per row b:
+- `tokens[b, :num_tokens[b]]` = prompt then emitted tokens; the buffer is right-padded.
+- while a row runs, `cache.lengths[b] == num_tokens[b] - 1`: the last emitted token (the
+  *root* of the next step) is not in the KV cache yet.
+- `done[b]` rows keep their outputs; later steps compute on them but change nothing.
+
+`append_block` is shared with the speculative loop: it appends up to K tokens per row and ends
+a row exactly at the first EOS, stop sequence or max_new_tokens inside the block.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.models.cache import KVCache
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward
+from specjax.sampling import SamplingParams, sample
+
+# stop_reason codes
+RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
+STOP_REASONS = {RUNNING: "running", EOS: "eos", STOP: "stop", LENGTH: "length"}
+
+
+@struct.dataclass
+class StopCriteria:
+    """Dynamic stopping rules shared by all rows.
+
+    eos_ids: `[E]` int32, padded with -1.
+    stop_seqs: `[NS, Ls]` int32 token sequences, right-aligned, left-padded with -1.
+    stop_lens: `[NS]` int32 (0 = unused slot).
+    """
+
+    eos_ids: jax.Array
+    stop_seqs: jax.Array
+    stop_lens: jax.Array
+
+    @classmethod
+    def make(cls, eos_ids=(), stop_seqs=()):
+        eos = list(eos_ids) or [-1]
+        seqs = [list(s) for s in stop_seqs if len(s)] or [[-1]]
+        width = max(len(s) for s in seqs)
+        padded = [[-1] * (width - len(s)) + s for s in seqs]
+        lens = [len(s) if s != [-1] else 0 for s in seqs]
+        return cls(
+            eos_ids=jnp.asarray(eos, jnp.int32),
+            stop_seqs=jnp.asarray(padded, jnp.int32),
+            stop_lens=jnp.asarray(lens, jnp.int32),
+        )
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [B, W] int32
+    num_tokens: jax.Array  # [B] int32
+    prompt_lens: jax.Array  # [B] int32
+    max_new: jax.Array  # [B] int32 (0 = padding row, done from the start)
+    done: jax.Array  # [B] bool
+    stop_reason: jax.Array  # [B] int32
+    cache: KVCache
+    key: jax.Array
+    step: jax.Array  # [] int32 decode steps taken
+
+    @property
+    def num_new(self) -> jax.Array:
+        """`[B]` emitted tokens per row."""
+        return self.num_tokens - self.prompt_lens
+
+    @property
+    def last_token(self) -> jax.Array:
+        """`[B]` the last emitted token per row (the next step's root)."""
+        return jnp.take_along_axis(self.tokens, (self.num_tokens - 1)[:, None], axis=1)[:, 0]
+
+
+def _write_block(tokens: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Writes block `[B, K]` into tokens `[B, W]` at per-row offsets `[B]`."""
+    return jax.vmap(lambda row, b, o: jax.lax.dynamic_update_slice(row, b, (o,)))(
+        tokens, block.astype(tokens.dtype), offsets
+    )
+
+
+def _stop_hits(tokens: jax.Array, ends: jax.Array, starts: jax.Array, criteria: StopCriteria):
+    """`[B, K]` bool: a stop sequence ends at position ends[b, k] (and starts >= starts[b])."""
+    seq_len = criteria.stop_seqs.shape[1]
+    offsets = jnp.arange(seq_len) - seq_len + 1  # [Ls], aligned so the window ends at `ends`
+    idx = ends[:, :, None, None] + offsets[None, None, None, :]  # [B, K, 1, Ls]
+    window = jnp.take_along_axis(
+        tokens[:, None, None, :], jnp.clip(idx, 0, tokens.shape[1] - 1), axis=-1
+    )  # [B, K, 1, Ls]
+    in_seq = jnp.arange(seq_len)[None, :] >= (seq_len - criteria.stop_lens)[:, None]  # [NS, Ls]
+    equal = (window == criteria.stop_seqs[None, None]) | ~in_seq[None, None]
+    long_enough = (ends[:, :, None] - criteria.stop_lens[None, None, :] + 1) >= starts[:, None, None]
+    return jnp.any(jnp.all(equal, axis=-1) & long_enough & (criteria.stop_lens > 0), axis=-1)
+
+
+def append_block(
+    state: DecodeState, block: jax.Array, counts: jax.Array, criteria: StopCriteria
+) -> DecodeState:
+    """Appends `block[b, :counts[b]]` (`[B, K]`, counts `[B]` >= 1) to each running row.
+
+    A row ends exactly at the first EOS / stop sequence / max_new_tokens inside its block; the
+    tokens after that point are not emitted. Done rows are left unchanged.
+    """
+    active = ~state.done
+    tokens = _write_block(state.tokens, block, state.num_tokens)
+    k = jnp.arange(block.shape[1])[None, :]
+    ends = state.num_tokens[:, None] + k  # [B, K] buffer position of each block token
+    in_block = k < counts[:, None]
+    is_eos = jnp.any(block[:, :, None] == criteria.eos_ids[None, None, :], axis=-1)
+    is_stop = _stop_hits(tokens, ends, state.prompt_lens, criteria)
+    is_length = ends - state.prompt_lens[:, None] + 1 >= state.max_new[:, None]
+    ends_row = in_block & (is_eos | is_stop | is_length)
+    first = jnp.argmax(ends_row, axis=1)  # [B]
+    hit = jnp.any(ends_row, axis=1)
+    emitted = jnp.where(hit, first + 1, counts)
+    pick = lambda x: jnp.take_along_axis(x, first[:, None], axis=1)[:, 0]  # noqa: E731
+    reason = jnp.where(pick(is_eos), EOS, jnp.where(pick(is_stop), STOP, LENGTH))
+    return state.replace(
+        tokens=jnp.where(active[:, None], tokens, state.tokens),
+        num_tokens=state.num_tokens + jnp.where(active, emitted, 0),
+        done=state.done | (active & hit),
+        stop_reason=jnp.where(active & hit, reason, state.stop_reason),
+    )
+
+
+def init_state(
+    prompt_tokens: jax.Array,
+    prompt_lens: jax.Array,
+    max_new: jax.Array,
+    cache: KVCache,
+    key: jax.Array,
+    width: int,
+) -> DecodeState:
+    """State before prefill; prompt_tokens `[B, P]` right-padded, buffer width W >= P."""
+    batch, prompt_width = prompt_tokens.shape
+    tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_width].set(prompt_tokens)
+    return DecodeState(
+        tokens=tokens,
+        num_tokens=prompt_lens.astype(jnp.int32),
+        prompt_lens=prompt_lens.astype(jnp.int32),
+        max_new=max_new.astype(jnp.int32),
+        done=max_new <= 0,
+        stop_reason=jnp.where(max_new <= 0, LENGTH, RUNNING).astype(jnp.int32),
+        cache=cache,
+        key=key,
+        step=jnp.int32(0),
+    )
+
+
+def prefill(
+    cfg: ModelConfig,
+    params,
+    state: DecodeState,
+    prompt_width: int,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    hidden_layers: tuple[int, ...] = (),
+):
+    """Runs the prompts (`tokens[:, :prompt_width]`), samples the first token of each row.
+
+    Returns (state, forward output); the cache holds each row's prompt, lengths = prompt_lens.
+    """
+    batch = state.tokens.shape[0]
+    prompt = state.tokens[:, :prompt_width]
+    positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
+    out = forward(
+        cfg, params, prompt, positions, state.cache,
+        hidden_layers=hidden_layers,
+        logit_indices=(state.prompt_lens - 1)[:, None],
+    )
+    key, sub = jax.random.split(state.key)
+    first = sample(sub, out.logits[:, 0], sampling)
+    state = state.replace(cache=out.cache.replace(lengths=state.prompt_lens), key=key)
+    return append_block(state, first[:, None], jnp.ones((batch,), jnp.int32), criteria), out
+
+
+def ar_step(
+    cfg: ModelConfig, params, state: DecodeState, sampling: SamplingParams, criteria: StopCriteria
+) -> DecodeState:
+    """One plain decoding step: forward the root token, sample, append."""
+    positions = state.cache.lengths[:, None]
+    out = forward(cfg, params, state.last_token[:, None], positions, state.cache)
+    key, sub = jax.random.split(state.key)
+    next_token = sample(sub, out.logits[:, 0], sampling)
+    cache = out.cache.advance(jnp.where(state.done, 0, 1))
+    state = state.replace(cache=cache, key=key, step=state.step + 1)
+    return append_block(state, next_token[:, None], jnp.ones_like(state.num_tokens), criteria)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",)
+)
+def generate_program(
+    cfg: ModelConfig,
+    params,
+    prompt_tokens: jax.Array,
+    prompt_lens: jax.Array,
+    max_new: jax.Array,
+    cache: KVCache,
+    key: jax.Array,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    *,
+    width: int,
+) -> DecodeState:
+    """Prefill + decode until every row is done, as ONE XLA program.
+
+    prompt_tokens `[B, P]` right-padded (P is the prompt bucket), prompt_lens `[B]`, max_new
+    `[B]` (0 marks a padding row), cache of capacity >= width (donated), width W = the token
+    buffer size >= P + max(max_new). Returns the final DecodeState.
+    """
+    state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
+    state, _ = prefill(cfg, params, state, prompt_tokens.shape[1], sampling, criteria)
+    return jax.lax.while_loop(
+        lambda s: jnp.any(~s.done),
+        lambda s: ar_step(cfg, params, s, sampling, criteria),
+        state,
+    )

@@ -1,0 +1,83 @@
+"""The one-program generate loop: equivalence with a naive loop, stopping rules, buckets."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.api import PromptError, generate_ids
+from specjax.loop import generate_program
+from specjax.models.cache import init_cache
+from specjax.models.llama import forward
+
+
+def naive_greedy(cfg, params, prompt, steps):
+    """Full recompute every step, no cache reuse: the simplest possible reference."""
+    seq = list(prompt)
+    for _ in range(steps):
+        tokens = jnp.asarray([seq], jnp.int32)
+        out = forward(cfg, params, tokens, jnp.arange(len(seq))[None], init_cache(cfg, 1, len(seq)))
+        seq.append(int(jnp.argmax(out.logits[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_matches_naive_loop_ragged_batch(tiny_model):
+    cfg, params = tiny_model
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+    results = generate_ids(cfg, params, prompts, max_new_tokens=12, eos_ids=[])
+    for prompt, res in zip(prompts, results):
+        assert res.token_ids == naive_greedy(cfg, params, prompt, 12)
+        assert res.stop_reason == "length"
+
+
+def test_eos_and_stop_sequences_end_rows_exactly(tiny_model):
+    cfg, params = tiny_model
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    free = generate_ids(cfg, params, prompts, max_new_tokens=10, eos_ids=[])
+    row0, row1 = free[0].token_ids, free[1].token_ids
+    eos = generate_ids(cfg, params, prompts, max_new_tokens=10, eos_ids=[row0[3]])
+    assert eos[0].token_ids == row0[: row0.index(row0[3]) + 1]
+    assert eos[0].stop_reason == "eos"
+    stop = generate_ids(cfg, params, prompts, max_new_tokens=10, eos_ids=[], stop_token_seqs=[row1[4:6]])
+    first = next(i for i in range(len(row1) - 1) if row1[i : i + 2] == row1[4:6])
+    assert stop[1].token_ids == row1[: first + 2] and stop[1].stop_reason == "stop"
+    # a stop sequence straddling the prompt/completion boundary does not count
+    straddle = generate_ids(cfg, params, [prompts[0]], max_new_tokens=3, eos_ids=[], stop_token_seqs=[[7, row0[0]]])
+    assert straddle[0].token_ids == row0[:3]
+
+
+def test_sampling_is_seeded_and_varies(tiny_model):
+    cfg, params = tiny_model
+    a = generate_ids(cfg, params, [[3, 4]], max_new_tokens=8, temperature=1.0, seed=1, eos_ids=[])
+    b = generate_ids(cfg, params, [[3, 4]], max_new_tokens=8, temperature=1.0, seed=1, eos_ids=[])
+    c = generate_ids(cfg, params, [[3, 4]], max_new_tokens=8, temperature=1.0, seed=2, eos_ids=[])
+    assert a[0].token_ids == b[0].token_ids != c[0].token_ids
+
+
+def test_same_bucket_does_not_recompile(tiny_model):
+    cfg, params = tiny_model
+    generate_ids(cfg, params, [[1, 2, 3]], max_new_tokens=5, batch_size=2, eos_ids=[])
+    compiled = generate_program._cache_size()
+    generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
+                 temperature=0.7, top_k=5)
+    assert generate_program._cache_size() == compiled
+    generate_ids(cfg, params, [list(range(2, 40))], max_new_tokens=5, batch_size=2, eos_ids=[])
+    assert generate_program._cache_size() == compiled + 1
+
+
+def test_batches_larger_than_batch_size(tiny_model):
+    cfg, params = tiny_model
+    prompts = [[i + 2, i + 3] for i in range(5)]
+    together = generate_ids(cfg, params, prompts, max_new_tokens=4, eos_ids=[])
+    split = generate_ids(cfg, params, prompts, max_new_tokens=4, eos_ids=[], batch_size=2)
+    assert [r.token_ids for r in together] == [r.token_ids for r in split]
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ([[]], "empty"), ([[1, 999]], "outside the vocabulary"), ([[1] * 60], "max_len"),
+])
+def test_bad_prompts_name_the_row(tiny_model, prompts, match):
+    cfg, params = tiny_model
+    with pytest.raises(PromptError, match=match):
+        generate_ids(cfg, params, prompts, max_new_tokens=8, max_len=64)

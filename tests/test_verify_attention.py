@@ -1,0 +1,167 @@
+"""Pallas verify-attention kernel (interpret mode on CPU) against the jnp reference.
+
+Error metric: max |kernel − reference| / max |reference| over the whole output (elementwise
+relative error is meaningless for outputs near 0). A NaN anywhere fails (NaN never compares
+below a tolerance), and the kernel's outputs start as NaN (`poison=True`), so an element no
+program writes fails too.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from specjax.kernels import verify_attention as va
+from specjax.kernels.reference import verify_attention_reference
+from specjax.models.cache import init_cache
+from specjax.models.llama import forward, init_params
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def random_tree_mask(rng: np.random.Generator, batch: int, seq: int) -> np.ndarray:
+    """`[B, T, T]` ancestor-or-self masks of random trees (node i's parent is < i)."""
+    mask = np.zeros((batch, seq, seq), bool)
+    for b in range(batch):
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, seq)]
+        for i in range(seq):
+            j = i
+            while j >= 0:
+                mask[b, i, j] = True
+                j = parents[j]
+    return mask
+
+
+def random_inputs(rng, *, batch, seq, group, kv_heads, head_dim, capacity, dtype, lengths):
+    """(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask) in the reference's shapes."""
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+    return (
+        normal(batch, seq, kv_heads * group, head_dim),
+        normal(batch, seq, kv_heads, head_dim),
+        normal(batch, seq, kv_heads, head_dim),
+        normal(batch, capacity, kv_heads, head_dim),
+        normal(batch, capacity, kv_heads, head_dim),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(random_tree_mask(rng, batch, seq)),
+    )
+
+
+def relative_error(out: jax.Array, ref: jax.Array) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
+    return float(err) if np.isfinite(out).all() else float("nan")
+
+
+def assert_matches_reference(inputs, dtype, **kernel_args):
+    out = va.verify_attention(*inputs, poison=True, **kernel_args)
+    ref = verify_attention_reference(*inputs)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err} (tolerance {TOLERANCE[dtype]})"
+
+
+# (G, T, head_dim, capacity, lengths, dtype, kernel args): ragged lengths including 0, the
+# full capacity and lengths not divisible by block_k; several splits and row blocks.
+CASES = [
+    (1, 1, 64, 40, [0, 37], jnp.float32, {"block_k": 32}),
+    (3, 3, 64, 300, [0, 300, 129], jnp.float32, {"block_k": 64, "k_splits": 3}),
+    (4, 16, 128, 200, [5, 200], jnp.float32, {"block_k": 32, "k_splits": 2, "block_q": 32}),
+    (8, 33, 64, 150, [150, 0, 97], jnp.bfloat16, {"block_k": 32, "k_splits": 4}),
+    (4, 3, 128, 300, [300, 1, 190], jnp.bfloat16, {"block_k": 64}),
+]
+
+
+@pytest.mark.parametrize(
+    "group, seq, head_dim, capacity, lengths, dtype, kernel_args",
+    CASES,
+    ids=[f"G{c[0]}-T{c[1]}-D{c[2]}-{jnp.dtype(c[5]).name}-{c[6]}" for c in CASES],
+)
+def test_kernel_matches_reference(group, seq, head_dim, capacity, lengths, dtype, kernel_args):
+    rng = np.random.default_rng(group * 100 + seq)
+    inputs = random_inputs(
+        rng, batch=len(lengths), seq=seq, group=group, kv_heads=2, head_dim=head_dim,
+        capacity=capacity, dtype=dtype, lengths=lengths,
+    )
+    assert_matches_reference(inputs, dtype, **kernel_args)
+
+
+def test_padded_tree_nodes_and_empty_rows():
+    """Tree nodes masked out entirely (padding): prefix only, or zeros when the row is empty."""
+    rng = np.random.default_rng(7)
+    inputs = list(random_inputs(
+        rng, batch=2, seq=5, group=2, kv_heads=2, head_dim=64, capacity=70,
+        dtype=jnp.float32, lengths=[0, 45],
+    ))
+    tree_mask = np.array(inputs[6])
+    tree_mask[:, 3:] = False  # nodes 3, 4 are padding: they attend to nothing new
+    inputs[6] = jnp.asarray(tree_mask)
+    assert_matches_reference(inputs, jnp.float32, block_k=16, k_splits=2)
+    out = va.verify_attention(*inputs, block_k=16, k_splits=2)
+    np.testing.assert_array_equal(np.asarray(out[0, 3:]), 0.0)  # row 0 has no cached tokens
+
+
+def test_every_partial_written():
+    """Every element of every split's tile (padded rows included) is written: no NaN left."""
+    rng = np.random.default_rng(3)
+    q, k_new, v_new, k_cache, v_cache, lengths, tree_mask = random_inputs(
+        rng, batch=2, seq=3, group=3, kv_heads=2, head_dim=64, capacity=100,
+        dtype=jnp.float32, lengths=[0, 77],
+    )
+    tiling = va.plan_tiling(2, 3, 3, 2, 100, block_k=32, k_splits=3)
+    outputs = va.verify_partials(
+        va.pack_queries(q, 2, tiling.rows),
+        va.pad_axis(k_new, 1, tiling.new_block),
+        va.pad_axis(v_new, 1, tiling.new_block),
+        k_cache, v_cache, lengths,
+        va.expand_tree_mask(tree_mask, 3, tiling.rows, tiling.new_block),
+        tiling=tiling, scale=64 ** -0.5, interpret=True, poison=True,
+    )
+    for x in outputs:
+        assert np.isfinite(np.asarray(x)).all()
+
+
+def test_default_tiling_heuristics():
+    """Defaults: all rows in one tile up to 128, splits that fill the GPU within the caps."""
+    one = va.plan_tiling(8, 32, 4, 8, 32768)  # 128 rows: one tile
+    assert (one.block_q, one.row_blocks, one.new_block) == (128, 1, 32)
+    assert one.k_splits > 1
+    big = va.plan_tiling(64, 8, 4, 8, 4096)  # 512 programs already fill the GPU
+    assert big.k_splits == 1
+    tall = va.plan_tiling(1, 64, 16, 8, 4096)  # 1024 rows: 8 tiles of 128
+    assert (tall.block_q, tall.row_blocks) == (128, 8)
+
+
+def test_jit_and_lengths_beyond_capacity_are_clamped():
+    rng = np.random.default_rng(11)
+    inputs = random_inputs(
+        rng, batch=2, seq=2, group=4, kv_heads=1, head_dim=64, capacity=48,
+        dtype=jnp.float32, lengths=[48, 20],
+    )
+    jitted = jax.jit(lambda *a: va.verify_attention(*a, block_k=16))
+    out = jitted(*inputs[:5], jnp.array([500, 20], jnp.int32), inputs[6])
+    ref = verify_attention_reference(*inputs)
+    assert relative_error(out, ref) <= 1e-5
+
+
+def test_model_forward_pallas_matches_xla():
+    """Tiny model (head_dim 8: the zero-padded head_dim path): prefill + tree verify."""
+    cfg_xla = tiny_config(attention_impl="xla")
+    cfg_pallas = tiny_config(attention_impl="pallas")
+    params = init_params(cfg_xla, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(5)
+    prompt = jnp.asarray(rng.integers(2, 64, size=(2, 7)), jnp.int32)
+    tree = jnp.asarray(rng.integers(2, 64, size=(2, 4)), jnp.int32)
+    tree_mask = jnp.asarray(random_tree_mask(rng, 2, 4))
+    results = []
+    for cfg in (cfg_xla, cfg_pallas):
+        cache = init_cache(cfg, 2, 32)
+        pre = forward(cfg, params, prompt, jnp.broadcast_to(jnp.arange(7), (2, 7)), cache)
+        cache = pre.cache.advance(jnp.array([7, 5]))
+        out = forward(cfg, params, tree, cache.lengths[:, None] + jnp.arange(4), cache, tree_mask)
+        results.append((pre.logits, out.logits))
+    for xla_logits, pallas_logits in zip(*results):
+        np.testing.assert_allclose(pallas_logits, xla_logits, atol=1e-5, rtol=1e-5)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.loop import STOP_REASONS, StopCriteria, generate_program
+from specjax.loop import STOP_REASONS, StopCriteria, generate_program, spec_generate_program
+from specjax.metrics import row_summaries
 from specjax.models.cache import init_cache
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
@@ -100,29 +101,33 @@ def run_batch(
     criteria: StopCriteria,
     key: jax.Array,
     batch_size: int,
-    program=None,
-    **program_kwargs,
+    drafter=None,
+    drafter_params=None,
 ) -> list[TokenResult]:
-    """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion."""
+    """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion.
+
+    Plain decoding when drafter is None, else speculative decoding with that drafter.
+    """
     prompt_width = bucket(max(len(p) for p in prompts))
-    new_width = bucket(max_new_tokens)
-    margin = program_kwargs.pop("margin", 0)
-    width = prompt_width + new_width + margin
+    margin = 0 if drafter is None else drafter.tree.num_nodes + 1
+    width = prompt_width + bucket(max_new_tokens) + margin
     tokens, lengths = _pad_batch(prompts, batch_size, prompt_width)
     max_new = np.zeros((batch_size,), np.int32)
     max_new[: len(prompts)] = max_new_tokens
-    cache = init_cache(cfg, batch_size, width)
-    program = program or generate_program
+    args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
+            init_cache(cfg, batch_size, width), key, sampling, criteria)
     start = time.perf_counter()
-    state = program(
-        cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new), cache, key,
-        sampling, criteria, width=width, **program_kwargs,
-    )
-    out_tokens, num_tokens, reasons = jax.device_get(
-        (state.tokens, state.num_tokens, state.stop_reason)
+    if drafter is None:
+        state, metrics = generate_program(cfg, params, *args, width=width), None
+    else:
+        state, metrics = spec_generate_program(
+            cfg, params, drafter, drafter_params, *args, width=width
+        )
+    out_tokens, num_tokens, reasons, metrics = jax.device_get(
+        (state.tokens, state.num_tokens, state.stop_reason, metrics)
     )
     elapsed = time.perf_counter() - start
-    spec = program_spec_metrics(state, len(prompts))
+    spec = row_summaries(metrics, len(prompts)) if metrics is not None else None
     return [
         TokenResult(
             token_ids=out_tokens[i, lengths[i] : num_tokens[i]].tolist(),
@@ -132,16 +137,6 @@ def run_batch(
         )
         for i in range(len(prompts))
     ]
-
-
-def program_spec_metrics(state, num_rows: int) -> list[dict] | None:
-    """Per-row speculative metrics when the final state carries them (see specjax.metrics)."""
-    metrics = getattr(state, "metrics", None)
-    if metrics is None:
-        return None
-    from specjax.metrics import row_summaries
-
-    return row_summaries(jax.device_get(metrics), num_rows)
 
 
 def generate_ids(
@@ -158,11 +153,14 @@ def generate_ids(
     stop_token_seqs: Sequence[Sequence[int]] = (),
     batch_size: int | None = None,
     max_len: int | None = None,
+    drafter=None,
+    drafter_params=None,
 ) -> list[TokenResult]:
     """Generates from token-id prompts; one result per prompt, in order.
 
     Prompts are processed in batches of `batch_size` rows (default: all at once, rounded to a
-    bucket); each batch is one jitted prefill+decode program.
+    bucket); each batch is one jitted prefill+decode program, speculative when a drafter
+    (`specjax.drafters`) is given.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -176,6 +174,7 @@ def generate_ids(
         key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
         results += run_batch(
             cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
-            criteria=criteria, key=key, batch_size=batch_size,
+            criteria=criteria, key=key, batch_size=batch_size, drafter=drafter,
+            drafter_params=drafter_params,
         )
     return results

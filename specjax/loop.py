@@ -221,3 +221,90 @@ def generate_program(
         lambda s: ar_step(cfg, params, s, sampling, criteria),
         state,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def spec_step(
+    cfg: ModelConfig,
+    params,
+    drafter,
+    drafter_params,
+    state: DecodeState,
+    drafter_state,
+    metrics,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+):
+    """One speculative step: propose -> verify -> accept -> commit -> append -> drafter update.
+
+    Returns (state, drafter_state, metrics). Shapes never change; per-row lengths advance by
+    accepted + 1 (less where EOS / stop / max_new_tokens cuts the block).
+    """
+    from specjax.accept import accept
+    from specjax.commit import accepted_tokens, commit
+    from specjax.verify import verify
+
+    tree = drafter.tree
+    key, propose_key, accept_key = jax.random.split(state.key, 3)
+    draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
+    root = state.last_token
+    target_out = verify(cfg, params, state.cache, root, draft, tree, drafter.hidden_layers)
+    result = accept(accept_key, target_out.logits, draft, tree, sampling)
+    active = ~state.done
+    cache = commit(target_out.cache, result, tree, active)
+    block = accepted_tokens(jnp.concatenate([root[:, None], draft.tokens], axis=1), result)
+    drafted = jnp.max(jnp.where(draft.valid, jnp.asarray(tree.node_depth)[None, :], 0), axis=1)
+    metrics = metrics.record(active, drafted, result.num_accepted)
+    state = state.replace(cache=cache, key=key, step=state.step + 1)
+    state = append_block(state, block, result.num_accepted + 1, criteria)
+    drafter_state = drafter.update(drafter_params, drafter_state, state, result, target_out)
+    return state, drafter_state, metrics
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "drafter", "width"), donate_argnames=("cache",)
+)
+def spec_generate_program(
+    cfg: ModelConfig,
+    params,
+    drafter,
+    drafter_params,
+    prompt_tokens: jax.Array,
+    prompt_lens: jax.Array,
+    max_new: jax.Array,
+    cache: KVCache,
+    key: jax.Array,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    *,
+    width: int,
+):
+    """Prefill + speculative decoding until every row is done, as ONE XLA program.
+
+    Same inputs as `generate_program` plus a static drafter and its params; the cache and
+    token buffer need `tree.num_nodes + 1` entries of margin beyond P + max_new.
+    Returns (DecodeState, SpecMetrics).
+    """
+    from specjax.metrics import SpecMetrics
+
+    batch = prompt_tokens.shape[0]
+    state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
+    drafter_state = drafter.init(drafter_params, batch, width)
+    state, prefill_out = prefill(
+        cfg, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
+    )
+    drafter_state = drafter.prefill(drafter_params, drafter_state, state, prefill_out)
+    metrics = SpecMetrics.zeros(batch, drafter.tree.max_depth)
+
+    def body(carry):
+        s, ds, m = carry
+        return spec_step(cfg, params, drafter, drafter_params, s, ds, m, sampling, criteria)
+
+    state, _, metrics = jax.lax.while_loop(
+        lambda c: jnp.any(~c[0].done), body, (state, drafter_state, metrics)
+    )
+    return state, metrics

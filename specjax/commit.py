@@ -1,0 +1,49 @@
+"""Commit: keep only the accepted path's provisional KV entries, compacted, and advance lengths."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cache import KVCache
+from specjax.tree import TreeSpec
+from specjax.types import AcceptResult
+
+
+def compact_rows(buffer: jax.Array, lengths: jax.Array, path: jax.Array, width: int) -> jax.Array:
+    """Moves entries `lengths + path[b, j]` to `lengths + j` in buffer `[L, B, S, ...]`.
+
+    path `[B, P]` verify indices; width = 1 + N, the provisional region read per row.
+    """
+
+    def one_row(buf, length, row_path):  # [L, S, ...], [], [P]
+        region = jax.lax.dynamic_slice_in_dim(buf, length, width, axis=1)
+        kept = jnp.take(region, row_path, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(buf, kept, length, axis=1)
+
+    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(buffer, lengths, path)
+
+
+def commit(cache: KVCache, result: AcceptResult, tree: TreeSpec, active: jax.Array) -> KVCache:
+    """Cache with only the root + accepted nodes kept; lengths += num_accepted + 1 for active rows.
+
+    For a chain the accepted path is already contiguous, so only lengths move.
+    """
+    if not tree.is_chain:
+        width = tree.num_nodes + 1
+        cache = cache.replace(
+            k=compact_rows(cache.k, cache.lengths, result.path, width),
+            v=compact_rows(cache.v, cache.lengths, result.path, width),
+        )
+    return cache.advance(jnp.where(active, result.num_accepted + 1, 0))
+
+
+def accepted_tokens(root_and_draft: jax.Array, result: AcceptResult) -> jax.Array:
+    """`[B, Dmax + 1]`: the accepted draft tokens followed by next_token (then padding).
+
+    root_and_draft `[B, 1 + N]` in verify layout.
+    """
+    path_tokens = jnp.take_along_axis(root_and_draft, result.path, axis=1)[:, 1:]  # [B, Dmax]
+    block = jnp.concatenate([path_tokens, result.next_token[:, None]], axis=1)
+    j = jnp.arange(block.shape[1])[None, :]
+    n = result.num_accepted[:, None]
+    return jnp.where(j < n, block, jnp.where(j == n, result.next_token[:, None], 0))

@@ -1,0 +1,87 @@
+"""The drafter interface: a static (hashable) description plus four pure functions.
+
+A drafter is a frozen dataclass (a jit static argument) whose methods are pure functions of
+(drafter params pytree, drafter state pytree, the decoding state). All run inside the one
+jitted speculative program:
+
+    state = drafter.init(params, batch_size, width)                 # before prefill
+    state = drafter.prefill(params, state, decode, target_out)      # after the target's prefill
+    draft, state = drafter.propose(params, state, decode, key, sampling)
+    state = drafter.update(params, state, decode, result, target_out)  # after commit
+
+`decode` is the current `specjax.loop.DecodeState` (tokens buffer, num_tokens, done, ...;
+the root of the next step is `decode.last_token`, at position `decode.num_tokens - 1`).
+`target_out` is the target's ForwardOutput (layer_hidden holds `hidden_layers`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import SamplingParams
+from specjax.tree import TreeSpec
+from specjax.types import AcceptResult, Draft
+
+DrafterState = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """Base class. Subclasses set `tree` and override what they need."""
+
+    tree: TreeSpec
+    #: target layers whose output hidden states prefill/update receive in target_out
+    hidden_layers: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def init(self, params, batch_size: int, width: int) -> DrafterState:
+        """Initial state for a batch whose token buffer has `width` entries per row."""
+        return ()
+
+    def prefill(self, params, state: DrafterState, decode, target_out) -> DrafterState:
+        return state
+
+    def propose(
+        self, params, state: DrafterState, decode, key: jax.Array, sampling: SamplingParams
+    ) -> tuple[Draft, DrafterState]:
+        raise NotImplementedError
+
+    def update(
+        self, params, state: DrafterState, decode, result: AcceptResult, target_out
+    ) -> DrafterState:
+        return state
+
+
+def candidates_to_draft(cand_tokens: jax.Array, cand_valid: jax.Array, tree: TreeSpec) -> Draft:
+    """Lays K candidate continuations out on a static tree (a trie, ranked by candidate order).
+
+    cand_tokens, cand_valid: `[B, K, Dmax]`; candidate 0 is the most preferred. A node with
+    rank r among its siblings takes the r-th distinct next token among the candidates that
+    agree with the node's path so far (in candidate order). A chain takes candidate 0.
+    Returns a Draft without probabilities (deterministic drafter: q is one-hot).
+    """
+    batch, num_cand, _ = cand_tokens.shape
+    # consistent[v]: [B, K] candidates agreeing with verify node v's path (v = 0: the root).
+    consistent = [jnp.ones((batch, num_cand), bool)]
+    tokens, valid = [], []
+    earlier = jnp.tril(jnp.ones((num_cand, num_cand), bool), k=-1)  # [K, K] c' < c
+    for node, (parent, rank, depth) in enumerate(zip(tree.parents, tree.ranks, tree.depth)):
+        ok = consistent[parent + 1] & cand_valid[:, :, depth - 1]  # [B, K]
+        tok = cand_tokens[:, :, depth - 1]  # [B, K]
+        same = tok[:, :, None] == tok[:, None, :]  # [B, K, K']
+        seen_before = jnp.any(same & earlier[None] & ok[:, None, :], axis=-1)
+        first = ok & ~seen_before
+        distinct_rank = jnp.cumsum(first, axis=1) - 1
+        chosen = first & (distinct_rank == rank)  # at most one per row
+        node_valid = jnp.any(chosen, axis=1)
+        node_token = jnp.sum(jnp.where(chosen, tok, 0), axis=1)
+        tokens.append(node_token)
+        valid.append(node_valid)
+        consistent.append(ok & (tok == node_token[:, None]) & node_valid[:, None])
+    return Draft(tokens=jnp.stack(tokens, 1).astype(jnp.int32), valid=jnp.stack(valid, 1))

@@ -178,3 +178,102 @@ def generate_ids(
             drafter_params=drafter_params,
         )
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Text level
+# ---------------------------------------------------------------------------------------------
+
+
+def truncate_at_stop(
+    tokenizer, token_ids: list[int], stop_reason: str, stops: Sequence[str], eos_ids: Sequence[int]
+) -> tuple[str, list[int], str]:
+    """(completion text, token ids, stop reason) with EOS and stop strings handled exactly.
+
+    The device stops on the token sequences of stop strings; a stop string produced by another
+    tokenization is caught here in the text. The completion excludes the EOS token and the stop
+    string; token_ids keep everything up to and including the token that completed the stop.
+    """
+    text_ids = token_ids[:-1] if stop_reason == "eos" and token_ids and token_ids[-1] in eos_ids else token_ids
+    text = tokenizer.decode(text_ids)
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    if cut < 0:
+        return text, token_ids, stop_reason
+    keep = next(
+        n for n in range(1, len(text_ids) + 1)
+        if any(s and s in tokenizer.decode(text_ids[:n]) for s in stops)
+    )
+    return text[:cut], token_ids[:keep], "stop"
+
+
+def _loaded(model, dtype: str):
+    if isinstance(model, str):
+        from specjax.models.load import load_model
+
+        return load_model(model, dtype=dtype)
+    return model
+
+
+def iter_generate(
+    model,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop: Sequence[str] | None = None,
+    chat: bool = True,
+    batch_size: int = 8,
+    draft=None,
+    drafter_params=None,
+    dtype: str = "float32",
+    max_len: int | None = None,
+    labels: Sequence[str] | None = None,
+) -> Iterator[tuple[int, list[Generation]]]:
+    """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
+
+    model: a loaded model (cfg, params, tokenizer) or a name/path for `specjax.models.load_model`.
+    draft: None (plain decoding) or a Drafter (see `specjax.drafters.registry.make_drafter`).
+    labels: names of the prompts for error messages (default "prompt i").
+    """
+    model = _loaded(model, dtype)
+    cfg, params, tokenizer = model.cfg, model.params, model.tokenizer
+    stops = [s for s in (stop or []) if s]
+    eos_ids = tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
+    labels = labels or [f"prompt {i}" for i in range(len(prompts))]
+    for i, text in enumerate(prompts):
+        if not text or not text.strip():
+            raise PromptError(f"{labels[i]} is empty: nothing to condition on")
+    ids = [tokenizer.encode_chat(p) if chat else tokenizer.encode(p) for p in prompts]
+    max_len = max_len or cfg.max_position_embeddings
+    validate_prompts(ids, cfg.vocab_size, max_new_tokens, max_len, labels)
+    sampling = SamplingParams.make(temperature, top_k, top_p)
+    criteria = StopCriteria.make(eos_ids, tokenizer.stop_sequences(stops))
+    for start, chunk in batches(ids, batch_size):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
+        results = run_batch(
+            cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
+            criteria=criteria, key=key, batch_size=batch_size, drafter=draft,
+            drafter_params=drafter_params,
+        )
+        out = []
+        for j, res in enumerate(results):
+            text, token_ids, reason = truncate_at_stop(tokenizer, res.token_ids, res.stop_reason, stops, eos_ids)
+            out.append(Generation(
+                prompt=prompts[start + j], completion=text, token_ids=token_ids,
+                num_new_tokens=len(token_ids), stop_reason=reason, time_s=res.time_s, spec=res.spec,
+            ))
+        yield start, out
+
+
+def generate(model, prompts: str | Sequence[str], **kwargs) -> list[Generation]:
+    """Generates a completion for each prompt (text in, text out); see `iter_generate`.
+
+    >>> generate("smollm2-135m", ["Name three primes."], max_new_tokens=32)
+    """
+    single = isinstance(prompts, str)
+    prompts = [prompts] if single else list(prompts)
+    results = [g for _, batch in iter_generate(model, prompts, **kwargs) for g in batch]
+    return results

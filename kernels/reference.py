@@ -43,12 +43,15 @@ def verify_attention_reference(
     in_prefix = jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]  # [B, S]
     prefix_scores = jnp.where(in_prefix[:, None, None, None, :], prefix_scores, NEG_INF)
     new_scores = jnp.where(tree_mask[:, None, None, :, :], new_scores, NEG_INF)
-    scores = jnp.concatenate([prefix_scores, new_scores], axis=-1)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - row_max)
-    weights = jnp.where(scores > NEG_INF / 2, weights, 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom > 0, denom, 1.0)
-    values = jnp.concatenate([v_cache, v_new], axis=1).astype(jnp.float32)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs, values)
+    # One softmax over [prefix | new] without materialising a concatenated K/V.
+    row_max = jnp.maximum(
+        jnp.max(prefix_scores, axis=-1, keepdims=True), jnp.max(new_scores, axis=-1, keepdims=True)
+    )
+    prefix_w = jnp.where(prefix_scores > NEG_INF / 2, jnp.exp(prefix_scores - row_max), 0.0)
+    new_w = jnp.where(new_scores > NEG_INF / 2, jnp.exp(new_scores - row_max), 0.0)
+    denom = jnp.sum(prefix_w, axis=-1, keepdims=True) + jnp.sum(new_w, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgts,bshd->bthgd", prefix_w, v_cache.astype(jnp.float32))
+    out = out + jnp.einsum("bhgts,bshd->bthgd", new_w, v_new.astype(jnp.float32))
+    denom = rearrange(denom, "b h g t 1 -> b t h g 1")
+    out = out / jnp.where(denom > 0, denom, 1.0)
     return rearrange(out, "b t h g d -> b t (h g) d").astype(q.dtype)

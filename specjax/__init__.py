@@ -11,6 +11,6 @@ from specjax.api import Generation, PromptError, generate, generate_ids, iter_ge
 
 def load(name_or_path: str, dtype: str = "float32"):
     """Loads a model preset name (e.g. "smollm2-135m"), a .gguf file or a Hugging Face folder."""
-    from specjax.models.load import load_model
+    from specjax.models.hub import load_model
 
     return load_model(name_or_path, dtype=dtype)

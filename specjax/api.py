@@ -208,7 +208,7 @@ def truncate_at_stop(
 
 def _loaded(model, dtype: str):
     if isinstance(model, str):
-        from specjax.models.load import load_model
+        from specjax.models.hub import load_model
 
         return load_model(model, dtype=dtype)
     return model

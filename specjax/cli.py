@@ -142,7 +142,7 @@ def make_draft(args, model):
 def cmd_generate(args) -> int:
     from specjax.api import iter_generate
     from specjax.metrics import job_summary
-    from specjax.models.load import load_model
+    from specjax.models.hub import load_model
 
     if args.prompt is not None:
         rows = [{"id": 0, "category": None, "prompt": args.prompt, "where": "--prompt"}]

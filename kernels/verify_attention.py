@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 NEG_INF = -1e30  # finite: keeps (m − m) and exp() NaN-free for fully masked rows
 MIN_DOT = 16  # Triton's dot needs every dimension ≥ 16
-SM_TARGET_PROGRAMS = 264  # ~2 waves of an H200's 132 SMs: what the split heuristic aims for
+SM_TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200 (132 SMs): the split heuristic's aim
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,11 +103,16 @@ def run_batch(
     batch_size: int,
     drafter=None,
     drafter_params=None,
-) -> list[TokenResult]:
+    drafter_carry=(),
+) -> tuple[list[TokenResult], object]:
     """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion.
 
     Plain decoding when drafter is None, else speculative decoding with that drafter.
+    Returns (results, the drafter's carry for the job's next batch); drafter_carry is this
+    batch's (`drafter.init_carry(drafter_params)` for the first; donated).
     """
+    if drafter is not None:
+        drafter.check_target(cfg)
     prompt_width = bucket(max(len(p) for p in prompts))
     margin = 0 if drafter is None else drafter.tree.num_nodes + 1
     width = prompt_width + bucket(max_new_tokens) + margin
@@ -120,15 +125,15 @@ def run_batch(
     if drafter is None:
         state, metrics = generate_program(cfg, params, *args, width=width), None
     else:
-        state, metrics = spec_generate_program(
-            cfg, params, drafter, drafter_params, *args, width=width
+        state, metrics, drafter_carry = spec_generate_program(
+            cfg, params, drafter, drafter_params, *args, drafter_carry, width=width
         )
     out_tokens, num_tokens, reasons, metrics = jax.device_get(
         (state.tokens, state.num_tokens, state.stop_reason, metrics)
     )
     elapsed = time.perf_counter() - start
     spec = row_summaries(metrics, len(prompts)) if metrics is not None else None
-    return [
+    results = [
         TokenResult(
             token_ids=out_tokens[i, lengths[i] : num_tokens[i]].tolist(),
             stop_reason=STOP_REASONS[int(reasons[i])],
@@ -137,6 +142,7 @@ def run_batch(
         )
         for i in range(len(prompts))
     ]
+    return results, drafter_carry
 
 
 def generate_ids(
@@ -170,13 +176,15 @@ def generate_ids(
     criteria = StopCriteria.make(cfg.eos_token_ids if eos_ids is None else eos_ids, stop_token_seqs)
     batch_size = batch_size or bucket(len(prompts), minimum=1)
     results: list[TokenResult] = []
+    carry = () if drafter is None else drafter.init_carry(drafter_params)
     for start, chunk in batches(prompts, batch_size):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
-        results += run_batch(
+        batch_results, carry = run_batch(
             cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
             criteria=criteria, key=key, batch_size=batch_size, drafter=drafter,
-            drafter_params=drafter_params,
+            drafter_params=drafter_params, drafter_carry=carry,
         )
+        results += batch_results
     return results
 
 
@@ -251,12 +259,13 @@ def iter_generate(
     validate_prompts(ids, cfg.vocab_size, max_new_tokens, max_len, labels)
     sampling = SamplingParams.make(temperature, top_k, top_p)
     criteria = StopCriteria.make(eos_ids, tokenizer.stop_sequences(stops))
+    carry = () if draft is None else draft.init_carry(drafter_params)
     for start, chunk in batches(ids, batch_size):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
-        results = run_batch(
+        results, carry = run_batch(
             cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
             criteria=criteria, key=key, batch_size=batch_size, drafter=draft,
-            drafter_params=drafter_params,
+            drafter_params=drafter_params, drafter_carry=carry,
         )
         out = []
         for j, res in enumerate(results):

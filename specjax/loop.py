@@ -266,7 +266,8 @@ def spec_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "drafter", "width"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("cfg", "drafter", "width"),
+    donate_argnames=("cache", "drafter_carry"),
 )
 def spec_generate_program(
     cfg: ModelConfig,
@@ -280,6 +281,7 @@ def spec_generate_program(
     key: jax.Array,
     sampling: SamplingParams,
     criteria: StopCriteria,
+    drafter_carry=(),
     *,
     width: int,
 ):
@@ -287,13 +289,15 @@ def spec_generate_program(
 
     Same inputs as `generate_program` plus a static drafter and its params; the cache and
     token buffer need `tree.num_nodes + 1` entries of margin beyond P + max_new.
-    Returns (DecodeState, SpecMetrics).
+    drafter_carry: the drafter's job-level state (`drafter.init_carry` for a job's first
+    batch, else the previous batch's returned carry; donated).
+    Returns (DecodeState, SpecMetrics, the drafter's carry for the next batch).
     """
     from specjax.metrics import SpecMetrics
 
     batch = prompt_tokens.shape[0]
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
-    drafter_state = drafter.init(drafter_params, batch, width)
+    drafter_state = drafter.resume(drafter.init(drafter_params, batch, width), drafter_carry)
     state, prefill_out = prefill(
         cfg, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
     )
@@ -304,7 +308,7 @@ def spec_generate_program(
         s, ds, m = carry
         return spec_step(cfg, params, drafter, drafter_params, s, ds, m, sampling, criteria)
 
-    state, _, metrics = jax.lax.while_loop(
+    state, drafter_state, metrics = jax.lax.while_loop(
         lambda c: jnp.any(~c[0].done), body, (state, drafter_state, metrics)
     )
-    return state, metrics
+    return state, metrics, drafter.carry(drafter_state)

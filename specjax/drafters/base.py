@@ -9,6 +9,10 @@ jitted speculative program:
     draft, state = drafter.propose(params, state, decode, key, sampling)
     state = drafter.update(params, state, decode, result, target_out)  # after commit
 
+Job-level state that outlives one batch (e.g. suffix statistics) is the drafter's *carry*:
+`init_carry(params)` at the start of a job, `resume(state, carry)` right after `init`, and
+`carry(state)` of the final batch state, which the next batch of the job resumes from.
+
 `decode` is the current `specjax.loop.DecodeState` (tokens buffer, num_tokens, done, ...;
 the root of the next step is `decode.last_token`, at position `decode.num_tokens - 1`).
 `target_out` is the target's ForwardOutput (layer_hidden holds `hidden_layers`).
@@ -40,8 +44,23 @@ class Drafter:
     def name(self) -> str:
         return type(self).__name__
 
+    def check_target(self, target_cfg) -> None:
+        """Raises ValueError when the drafter cannot serve this target (e.g. another vocab)."""
+
     def init(self, params, batch_size: int, width: int) -> DrafterState:
         """Initial state for a batch whose token buffer has `width` entries per row."""
+        return ()
+
+    def init_carry(self, params) -> Any:
+        """The job-level state at the start of a job (() = the drafter keeps none)."""
+        return ()
+
+    def resume(self, state: DrafterState, carry) -> DrafterState:
+        """A fresh batch state (from `init`) with a carried job-level state put back."""
+        return state
+
+    def carry(self, state: DrafterState) -> Any:
+        """The job-level part of a batch state, handed to the job's next batch."""
         return ()
 
     def prefill(self, params, state: DrafterState, decode, target_out) -> DrafterState:

@@ -1,0 +1,190 @@
+"""GGUF checkpoints (llama.cpp): config from metadata, dequantized params in the HF layout.
+
+    cfg, params = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32")
+
+Supports the architectures `llama` (also Mistral files, which llama.cpp writes as llama),
+`qwen2` (q/k/v bias) and `qwen3` (q/k RMSNorm); tensor types F32, F16, BF16 and every block
+quantization `gguf.quants.dequantize` knows (Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...).
+
+The header reader lives in `gguf_reader` (shared with the tokenizer).
+
+llama.cpp permutes the rows of `attn_q` / `attn_k` of llama-arch files so its interleaved RoPE
+(pairs (2i, 2i+1)) matches Hugging Face's rotate-half RoPE (pairs (i, i + Dh/2));
+`unpermute_qk` undoes it. Qwen files are written unpermuted (llama.cpp runs NEOX RoPE on them).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
+from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.gguf_reader import GGUFFile, read_gguf
+from specjax.models.tokenizer import end_token_ids
+
+# architecture -> whether llama.cpp permuted the q/k rows
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, q/k permutation
+# ---------------------------------------------------------------------------------------------
+
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name of a Hugging Face tensor (`model.layers.0.mlp.up_proj.weight` -> `blk.0.ffn_up.weight`)."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    match = _LAYER_RE.fullmatch(hf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"no GGUF name for tensor {hf_name!r}")
+    layer, module, kind = match.groups()
+    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp interleaved rows. w `[n_head * Dh, ...]` (weight or bias)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `permute_qk`: llama.cpp rows `[n_head * Dh, ...]` -> HF rotate-half rows."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_source(file: GGUFFile, cfg: ModelConfig, permuted: bool) -> TensorSource:
+    """HF-named, HF-layout view of the file's tensors (dequantized, q/k rows un-permuted)."""
+    heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+
+    def fetch(hf_name: str) -> np.ndarray | None:
+        name = gguf_tensor_name(hf_name)
+        if name not in file.tensors:
+            return None
+        array = file.read(name)
+        match = _LAYER_RE.fullmatch(hf_name)
+        if permuted and match is not None and match.group(2) in heads:
+            n_head = heads[match.group(2)]
+            if array.shape[0] % (2 * n_head):
+                raise CheckpointError(
+                    file.path, f"tensor {name!r} has {array.shape[0]} rows, not a multiple of "
+                    f"2 x {n_head} heads"
+                )
+            array = unpermute_qk(array, n_head)
+        return array
+
+    return TensorSource(file.path, fetch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def _uniform_int(file: GGUFFile, key: str, default=None) -> int:
+    value = file.get(key, default)
+    if value is None:
+        raise CheckpointError(file.path, f"missing metadata {key!r}")
+    if isinstance(value, np.ndarray):  # per-layer values (e.g. head counts of hybrid models)
+        if value.size == 0 or (value != value.flat[0]).any():
+            raise CheckpointError(file.path, f"per-layer {key!r} = {value.tolist()} is not supported")
+        value = value.flat[0]
+    return int(value)
+
+
+def _llama3_scaling(file: GGUFFile, head_dim: int, theta: float) -> RopeScaling:
+    """Recovers Llama-3 RoPE scaling from llama.cpp's `rope_freqs.weight` (per-frequency divisors)."""
+    from specjax.models.llama import rope_inv_freq
+
+    factors = file.read("rope_freqs.weight").astype(np.float64)
+    base = np.asarray(rope_inv_freq(head_dim, theta, None), np.float64)
+    scaling = RopeScaling(factor=float_config(factors.max()))
+    if factors.shape == base.shape:
+        expected = base / np.asarray(rope_inv_freq(head_dim, theta, scaling), np.float64)
+        if np.allclose(factors, expected, rtol=1e-4):
+            return scaling
+    raise CheckpointError(
+        file.path, "rope_freqs.weight does not match Llama-3 RoPE scaling "
+        "(low_freq_factor 1, high_freq_factor 4, original context 8192): unsupported"
+    )
+
+
+def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
+    kind = file.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(file.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind not in ("none", "linear") or (kind == "linear" and factor != 1.0):
+        raise CheckpointError(file.path, f"RoPE scaling {kind!r} (factor {factor}) is not supported")
+    if "rope_freqs.weight" in file.tensors:
+        return _llama3_scaling(file, head_dim, theta)
+    return None
+
+
+def config_from_gguf(file: GGUFFile, dtype: str = "float32") -> ModelConfig:
+    """ModelConfig from a GGUF's metadata (shapes, RoPE, eps, special token ids)."""
+    arch = file.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            file.path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
+    if "token_embd.weight" not in file.tensors:
+        raise CheckpointError(file.path, "missing tensor 'token_embd.weight'")
+    hidden = _uniform_int(file, f"{arch}.embedding_length")
+    heads = _uniform_int(file, f"{arch}.attention.head_count")
+    head_dim = _uniform_int(file, f"{arch}.attention.key_length", hidden // heads)
+    rope_dims = _uniform_int(file, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(file.path, f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+    theta = float_config(file.get(f"{arch}.rope.freq_base", 10000.0))
+    tokens = file.get("tokenizer.ggml.tokens") or []
+    declared = [file.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        vocab_size=file.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=_uniform_int(file, f"{arch}.feed_forward_length"),
+        num_layers=_uniform_int(file, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=_uniform_int(file, f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(file, arch, head_dim, theta),
+        rms_norm_eps=float_config(file.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
+        max_position_embeddings=_uniform_int(file, f"{arch}.context_length", 8192),
+        dtype=dtype,
+        bos_token_id=file.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=end_token_ids(tokens, declared),
+        pad_token_id=int(file.get("tokenizer.ggml.padding_token_id", 0)),
+        name=str(file.get("general.name", arch)),
+    )
+
+
+def params_from_gguf(file: GGUFFile, cfg: ModelConfig) -> dict:
+    """The params tree (see `assemble_params`) from an opened GGUF and its config."""
+    permuted = ARCHITECTURES[file.get("general.architecture")]
+    return assemble_params(cfg, gguf_source(file, cfg, permuted))
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a GGUF checkpoint; raises CheckpointError naming the file."""
+    file = read_gguf(path)
+    cfg = config_from_gguf(file, dtype)
+    return cfg, params_from_gguf(file, cfg)

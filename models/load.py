@@ -1,0 +1,34 @@
+"""Loading checkpoints: one entry point for GGUF files and Hugging Face folders.
+
+    cfg, params = load_checkpoint("model.gguf")           # or an HF folder
+    cfg, params = load_gguf(path, dtype="bfloat16")
+    cfg, params = load_hf(folder, dtype="float32")
+
+`params` is the `{"params": ...}` tree of `specjax.models.llama` (jnp arrays in `cfg.dtype`).
+Every failure is a `CheckpointError` (a ValueError) whose message starts with the file's path.
+For names of presets ("smollm2-135m") and a tokenizer alongside, see `specjax.models.hub.load_model`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params
+from specjax.models.config import ModelConfig
+from specjax.models.gguf_loader import load_gguf, permute_qk, unpermute_qk
+from specjax.models.hf_loader import load_hf
+
+__all__ = [
+    "CheckpointError", "TensorSource", "assemble_params", "load_checkpoint", "load_gguf",
+    "load_hf", "permute_qk", "unpermute_qk",
+]
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a `.gguf` file or a Hugging Face folder."""
+    path = Path(path)
+    if path.is_dir():
+        return load_hf(path, dtype)
+    if path.is_file():
+        return load_gguf(path, dtype)
+    raise CheckpointError(path, "no such file or directory")

@@ -7,6 +7,9 @@ was accepted. Derived:
   acceptance rate       = accepted / drafted
   joint per position    = accepted_per_pos[j] / steps        (P(first j+1 accepted))
   conditional per pos.  = accepted_per_pos[j] / accepted_per_pos[j-1]  (j = 0: / steps)
+  accepted-length histogram[k] = steps that accepted exactly k draft tokens
+                              = accepted_per_pos[k-1] - accepted_per_pos[k]  (exact: the
+                                counter at j counts the steps with more than j accepted)
 """
 from __future__ import annotations
 
@@ -42,6 +45,12 @@ class SpecMetrics:
         )
 
 
+def length_histogram(steps: int, per_pos: Iterable[int]) -> list[int]:
+    """`[Dmax + 1]` steps that accepted exactly k = 0..Dmax draft tokens."""
+    at_least = [int(steps)] + [int(x) for x in per_pos] + [0]
+    return [a - b for a, b in zip(at_least[:-1], at_least[1:])]
+
+
 def summarize(steps: int, drafted: int, accepted: int, per_pos: Iterable[int]) -> dict:
     """The derived statistics of a set of counters (one row, or a job's sums)."""
     per_pos = [int(x) for x in per_pos]
@@ -55,6 +64,7 @@ def summarize(steps: int, drafted: int, accepted: int, per_pos: Iterable[int]) -
         "accepted_per_position": per_pos,
         "joint_acceptance": [a / steps if steps else 0.0 for a in per_pos],
         "conditional_acceptance": [a / p if p else 0.0 for a, p in zip(per_pos, previous)],
+        "accepted_length_histogram": length_histogram(steps, per_pos),
     }
 
 

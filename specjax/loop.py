@@ -244,7 +244,6 @@ def spec_step(
     Returns (state, drafter_state, metrics). Shapes never change; per-row lengths advance by
     accepted + 1 (less where EOS / stop / max_new_tokens cuts the block).
     """
-    from specjax.accept import accept
     from specjax.commit import accepted_tokens, commit
     from specjax.verify import verify
 
@@ -253,7 +252,7 @@ def spec_step(
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
     root = state.last_token
     target_out = verify(cfg, params, state.cache, root, draft, tree, drafter.hidden_layers)
-    result = accept(accept_key, target_out.logits, draft, tree, sampling)
+    result = drafter.accept(accept_key, target_out.logits, draft, sampling)
     active = ~state.done
     cache = commit(target_out.cache, result, tree, active)
     block = accepted_tokens(jnp.concatenate([root[:, None], draft.tokens], axis=1), result)

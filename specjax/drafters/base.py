@@ -76,6 +76,18 @@ class Drafter:
     ) -> DrafterState:
         return state
 
+    def accept(
+        self, key: jax.Array, target_logits: jax.Array, draft: Draft, sampling: SamplingParams
+    ) -> AcceptResult:
+        """The acceptance rule the loop applies to this drafter's drafts (`specjax.accept`).
+
+        Only measurement drafters override it (`drafters.forced`: acceptance drawn from a
+        profile, to measure the system rather than the drafter).
+        """
+        from specjax.accept import accept
+
+        return accept(key, target_logits, draft, self.tree, sampling)
+
 
 def candidates_to_draft(cand_tokens: jax.Array, cand_valid: jax.Array, tree: TreeSpec) -> Draft:
     """Lays K candidate continuations out on a static tree (a trie, ranked by candidate order).

@@ -1,0 +1,347 @@
+"""Latency profiler: what one decoding step costs on the current device.
+
+  T_target(B, T)  the target's forward over T new tokens per row (B rows, `context` tokens
+                  already cached), with logits for all T tokens, as verification computes them
+  T_draft(B, D)   the drafter's propose + update for one step (chain of D, or a tree)
+  T_step(B, D)    one whole speculative step: propose, verify, accept, commit, append, update
+  T_ar(B)         one plain decoding step (forward of 1 token, sample, append)
+
+Each number is the median of `repeats` timed calls after `warmup` untimed ones (compilation is
+excluded), with the donated state chained from call to call as inside the real loop.
+
+Models: a loaded model (preset, .gguf, HF folder) or a shape-only one, `random:NAME[:LAYERS]`:
+the architecture of `configs/models/shapes/NAME.yaml` with random weights (`init_params`),
+optionally cut to LAYERS layers, so that large shapes can be profiled without their weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from importlib import resources
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from specjax.loop import StopCriteria, ar_step, init_state, prefill, spec_step
+from specjax.metrics import SpecMetrics
+from specjax.models.cache import init_cache
+from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.llama import forward, init_params
+from specjax.sampling import SamplingParams
+
+RANDOM_PREFIX = "random:"
+SHAPES_DIR = "models/shapes"
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: real or shape-only
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RandomModel:
+    """A shape-only model: a preset's config with random weights and no tokenizer."""
+
+    cfg: ModelConfig
+    params: Any
+    tokenizer: None = None
+    source: str = ""
+
+
+def available_shapes() -> list[str]:
+    root = resources.files("specjax.configs").joinpath(SHAPES_DIR)
+    return sorted(f.name[: -len(".yaml")] for f in root.iterdir() if f.name.endswith(".yaml"))
+
+
+def shape_config(name: str, num_layers: int | None = None, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of shape preset `name`, optionally with `num_layers` layers."""
+    resource = resources.files("specjax.configs").joinpath(f"{SHAPES_DIR}/{name}.yaml")
+    if not resource.is_file():
+        raise ValueError(f"unknown shape preset {name!r}; shapes: {', '.join(available_shapes())}")
+    fields = dict(yaml.safe_load(resource.read_text(encoding="utf-8"))["config"])
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"random:{name}:{num_layers}: the number of layers must be >= 1")
+        fields["num_layers"] = num_layers
+    return ModelConfig(**fields, dtype=dtype, name=f"random:{name}")
+
+
+def parse_random_spec(spec: str) -> tuple[str, int | None]:
+    """`random:NAME[:LAYERS]` -> (NAME, LAYERS or None)."""
+    body = spec[len(RANDOM_PREFIX):]
+    name, _, layers = body.partition(":")
+    if not name:
+        raise ValueError(f"{spec!r}: expected random:NAME[:LAYERS]")
+    try:
+        return name, int(layers) if layers else None
+    except ValueError:
+        raise ValueError(f"{spec!r}: LAYERS must be an integer") from None
+
+
+def load_target(spec, dtype: str = "float32", seed: int = 0):
+    """A model object with .cfg, .params, .tokenizer (None for shape-only models).
+
+    spec: an already loaded model, `random:NAME[:LAYERS]`, or anything `load_model` takes.
+    """
+    if not isinstance(spec, str):
+        return spec
+    if spec.startswith(RANDOM_PREFIX):
+        cfg = shape_config(*parse_random_spec(spec), dtype=dtype)
+        return RandomModel(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed)), source=spec)
+    from specjax.models.hub import load_model
+
+    return load_model(spec, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def device_info() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "num_devices": jax.device_count(),
+        "jax_version": jax.__version__,
+    }
+
+
+def median_time(step: Callable, state, *, repeats: int = 5, warmup: int = 2) -> tuple[float, Any]:
+    """Median seconds of `state = step(state)` over `repeats` calls after `warmup` calls.
+
+    `step` should donate its state (as the real loop updates in place); the final state is
+    returned so callers can keep chaining.
+    """
+    for _ in range(warmup):
+        state = jax.block_until_ready(step(state))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state = jax.block_until_ready(step(state))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _forward_tokens(cfg: ModelConfig, params, tokens, cache):
+    """The target over tokens `[B, T]` after each row's cached prefix; -> (cache, argmax `[B, T]`).
+
+    Lengths are not advanced, so repeated calls cost the same.
+    """
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    out = forward(cfg, params, tokens, positions, cache)
+    return out.cache, jnp.argmax(out.logits, axis=-1)
+
+
+def target_latency(
+    cfg: ModelConfig, params, batch_size: int, num_tokens: int, *, context: int,
+    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
+) -> float:
+    """T_target(B, T) in seconds: forward over T tokens with `context` entries cached."""
+    capacity = max(capacity or 0, context + num_tokens)
+    cache = init_cache(cfg, batch_size, capacity)
+    cache = cache.replace(lengths=jnp.full((batch_size,), context, jnp.int32))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, num_tokens), 0, cfg.vocab_size)
+    step = lambda c: _forward_tokens(cfg, params, tokens, c)[0]  # noqa: E731
+    seconds, _ = median_time(step, cache, repeats=repeats, warmup=warmup)
+    return seconds
+
+
+# ---- decode-state fixtures for step / draft timing ------------------------------------------
+
+
+def _no_stop() -> StopCriteria:
+    return StopCriteria.make((), ())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "width"))
+def _prefilled(cfg, params, drafter, drafter_params, prompt_tokens, key, sampling, *, width):
+    """A running batch right after prefill (rows never finish): (DecodeState, drafter state)."""
+    batch, prompt_width = prompt_tokens.shape
+    lengths = jnp.full((batch,), prompt_width, jnp.int32)
+    max_new = jnp.full((batch,), width, jnp.int32)
+    state = init_state(prompt_tokens, lengths, max_new, init_cache(cfg, batch, width), key, width)
+    hidden = drafter.hidden_layers if drafter is not None else ()
+    state, out = prefill(cfg, params, state, prompt_width, sampling, _no_stop(), hidden)
+    if drafter is None:
+        return state, ()
+    dstate = drafter.resume(drafter.init(drafter_params, batch, width), drafter.init_carry(drafter_params))
+    return state, drafter.prefill(drafter_params, dstate, state, out)
+
+
+def _prompt(cfg: ModelConfig, batch_size: int, context: int) -> jax.Array:
+    """`[B, context]` random prompt tokens (repeating a short motif, so n-gram drafters match)."""
+    motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, cfg.vocab_size)
+    return jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
+
+
+def _step_width(context: int, num_nodes: int, calls: int, capacity: int | None) -> int:
+    """Buffer/cache width that fits `calls` steps of up to 1 + N tokens after the context."""
+    return max(capacity or 0, context + (calls + 1) * (num_nodes + 1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _ar_step_jit(cfg, params, state, sampling):
+    return ar_step(cfg, params, state, sampling, _no_stop())
+
+
+def ar_step_latency(
+    cfg: ModelConfig, params, batch_size: int, *, context: int, capacity: int | None = None,
+    repeats: int = 5, warmup: int = 2,
+) -> float:
+    """T_ar(B): one plain decoding step (forward of the root, sample, append)."""
+    sampling = SamplingParams.make()
+    width = _step_width(context, 0, repeats + warmup, capacity)
+    state, _ = _prefilled(cfg, params, None, None, _prompt(cfg, batch_size, context),
+                          jax.random.PRNGKey(3), sampling, width=width)
+    step = lambda s: _ar_step_jit(cfg, params, s, sampling)  # noqa: E731
+    return median_time(step, state, repeats=repeats, warmup=warmup)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("carry",))
+def _spec_step_jit(cfg, params, drafter, drafter_params, carry, sampling):
+    state, dstate, metrics = carry
+    return spec_step(cfg, params, drafter, drafter_params, state, dstate, metrics, sampling, _no_stop())
+
+
+def step_latency(
+    cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
+    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
+) -> float:
+    """T_step(B, drafter): one whole speculative step (draft + verify + accept + commit + ...)."""
+    sampling = SamplingParams.make()
+    tree = drafter.tree
+    width = _step_width(context, tree.num_nodes, repeats + warmup, capacity)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
+                               jax.random.PRNGKey(3), sampling, width=width)
+    metrics = jax.tree.map(jnp.copy, SpecMetrics.zeros(batch_size, tree.max_depth))  # distinct buffers
+    carry = (state, dstate, metrics)
+    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)  # noqa: E731
+    return median_time(step, carry, repeats=repeats, warmup=warmup)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
+def _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling):
+    """(target ForwardOutput, AcceptResult) of one step from this state: update's inputs."""
+    from specjax.verify import verify
+
+    draft, _ = drafter.propose(drafter_params, dstate, state, key, sampling)
+    out = verify(cfg, params, state.cache, state.last_token, draft, drafter.tree, drafter.hidden_layers)
+    return out, drafter.accept(key, out.logits, draft, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter",), donate_argnames=("dstate",))
+def _draft_only(drafter, drafter_params, dstate, state, key, sampling, target_out, result):
+    """propose + update of the drafter alone -> (drafter state, draft tokens `[B, N]`)."""
+    draft, dstate = drafter.propose(drafter_params, dstate, state, key, sampling)
+    return drafter.update(drafter_params, dstate, state, result, target_out), draft.tokens
+
+
+def draft_latency(
+    cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
+    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
+) -> float:
+    """T_draft(B, drafter): the drafter's propose + update for one step (target excluded)."""
+    sampling = SamplingParams.make()
+    key = jax.random.PRNGKey(4)
+    width = _step_width(context, drafter.tree.num_nodes, 1, capacity)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
+                               key, sampling, width=width)
+    target_out, result = _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling)
+    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]  # noqa: E731
+    return median_time(step, dstate, repeats=repeats, warmup=warmup)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LatencyProfile:
+    """Measured step costs (seconds) on one device, keyed by batch size.
+
+    target[B][T] = T_target(B, T); ar_step[B] = T_ar(B); draft[B][label] = T_draft(B, .) and
+    step[B][label] = T_step(B, .) for draft shapes named by `label` (a chain's D as a string,
+    or a tree preset's name).
+    """
+
+    model: str
+    device: dict
+    context: int
+    capacity: int | None = None
+    target: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
+    ar_step: dict[int, float] = dataclasses.field(default_factory=dict)
+    draft: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    step: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+    def target_at(self, batch_size: int, num_tokens: int) -> float:
+        """T_target(B, T), linearly interpolated between measured T (clamped at the ends)."""
+        curve = self.target[batch_size]
+        ts = sorted(curve)
+        return float(np.interp(num_tokens, ts, [curve[t] for t in ts]))
+
+    def to_dict(self) -> dict:
+        str_keys = lambda d: {str(k): (str_keys(v) if isinstance(v, dict) else v) for k, v in d.items()}  # noqa: E731
+        return {
+            "model": self.model, "device": self.device, "context": self.context,
+            "capacity": self.capacity, "target_s": str_keys(self.target),
+            "ar_step_s": str_keys(self.ar_step), "draft_s": str_keys(self.draft),
+            "step_s": str_keys(self.step),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LatencyProfile":
+        return cls(
+            model=data["model"], device=data["device"], context=data["context"],
+            capacity=data.get("capacity"),
+            target={int(b): {int(t): s for t, s in c.items()} for b, c in data["target_s"].items()},
+            ar_step={int(b): s for b, s in data["ar_step_s"].items()},
+            draft={int(b): dict(c) for b, c in data["draft_s"].items()},
+            step={int(b): dict(c) for b, c in data["step_s"].items()},
+        )
+
+
+def profile_latency(
+    model,
+    batch_sizes: Sequence[int],
+    target_tokens: Iterable[int],
+    drafters: dict[str, tuple[Any, Any]] | None = None,
+    *,
+    context: int = 256,
+    capacity: int | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    steps: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> LatencyProfile:
+    """Measures T_target(B, T) for every T in target_tokens, T_ar(B), and for each labelled
+    (drafter, drafter params) T_draft(B, .) and (when `steps`) T_step(B, .)."""
+    cfg, params = model.cfg, model.params
+    timing = dict(context=context, capacity=capacity, repeats=repeats, warmup=warmup)
+    prof = LatencyProfile(model=cfg.name, device=device_info(), context=context, capacity=capacity)
+    say = log or (lambda _: None)
+    for b in batch_sizes:
+        prof.target[b] = {t: target_latency(cfg, params, b, t, **timing) for t in sorted(set(target_tokens))}
+        prof.ar_step[b] = ar_step_latency(cfg, params, b, **timing)
+        say(f"B={b}: T_ar={prof.ar_step[b] * 1e3:.2f} ms, T_target(T)=" + ", ".join(
+            f"{t}:{s * 1e3:.2f}" for t, s in prof.target[b].items()) + " ms")
+        prof.draft[b], prof.step[b] = {}, {}
+        for label, (drafter, dparams) in (drafters or {}).items():
+            prof.draft[b][label] = draft_latency(cfg, params, drafter, dparams, b, **timing)
+            if steps:
+                prof.step[b][label] = step_latency(cfg, params, drafter, dparams, b, **timing)
+            say(f"B={b} {label}: T_draft={prof.draft[b][label] * 1e3:.2f} ms" + (
+                f", T_step={prof.step[b][label] * 1e3:.2f} ms" if steps else ""))
+    return prof

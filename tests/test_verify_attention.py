@@ -168,3 +168,13 @@ def test_model_forward_pallas_matches_xla():
     )
     np.testing.assert_allclose(pallas.logits, xla.logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(pallas.cache.k, xla.cache.k, atol=1e-6, rtol=1e-6)
+
+
+def test_auto_dispatch_keeps_xla_for_padded_head_dims(monkeypatch):
+    from specjax.kernels import dispatch
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert [dispatch.resolve_impl("auto", d) for d in (64, 128, 80, 8)] == [
+        "pallas", "pallas", "xla", "xla"
+    ]
+    assert dispatch.resolve_impl("pallas", 80) == "pallas"

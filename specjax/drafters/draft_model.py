@@ -1,0 +1,350 @@
+"""Draft-model drafting: a small Llama-family model sharing the target's vocabulary.
+
+The drafter params are the draft model's params pytree; its state is its own KV cache, kept in
+step with the target's accepted path:
+
+- prefill: the prompts go through the draft model (entries `[0, P)`).
+- propose: the last two committed tokens are re-fed at `num_tokens - 2` (the draft cache is
+  valid below that after every step, see `update`), giving the draft logits at the root. Then
+  the tree grows level by level: the children of every node of a level are drawn from that
+  node's draft distribution (`draw_children`), and one tree-masked forward of the level's
+  nodes (plus their non-cached ancestors) gives the next level's distributions. Leaves are
+  never fed. The Dmax forward+draw iterations are one `lax.scan` over static tables
+  (`ProposePlan`, feeds padded to one width), so the program holds one draft forward whatever
+  the tree: compile time stays flat, and a padded forward of a few tokens costs what the
+  unpadded one does in the memory-bound regime drafting runs in.
+- update: the fed nodes of the accepted path are compacted to `num_tokens_before + depth - 1`
+  (the target's commit, on the draft cache); for a chain they are in place already.
+
+When all D drafts of a chain are accepted, draft D and the bonus token are exactly the two
+re-fed tokens, so no step needs an extra pass.
+
+Children (`draw_children`): the draft logits get the run's temperature / top-k / top-p
+(`sampling.processed_logits`, the transform the target's p gets), then a parent's candidates
+are its Gumbel top-k: the argmax ranks when greedy, and *sampling without replacement* from the
+processed distribution q otherwise. The node of rank r takes the r-th candidate and carries
+`Draft.probs` = q with the candidates of ranks < r removed and renormalised: the distribution
+it was actually drawn from, which is what `accept.accept_sampling`'s sibling walk needs to be
+lossless (a chain is the rank-0 case: q itself). Candidates outside the top-k / top-p support
+are invalid nodes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.commit import compact_rows
+from specjax.drafters.base import Drafter
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward
+from specjax.sampling import SamplingParams, processed_logits
+from specjax.tree import TreeSpec
+from specjax.types import Draft
+
+# ---- static expansion plan -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One depth of a tree, for drafters that grow the tree level by level.
+
+    nodes: node indices at this depth (node order).
+    parents: verify indices whose candidates this level takes: `(0,)` (the root) at depth 1,
+      else the previous level's nodes + 1 (all of them, childless ones included).
+    parent_cols: per node, its parent's column in `parents`.
+    ranks: per node, its candidate rank among its siblings.
+    num_ranks: candidates drawn per parent (max rank + 1).
+    """
+
+    nodes: tuple[int, ...]
+    parents: tuple[int, ...]
+    parent_cols: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.ranks) + 1
+
+
+@functools.lru_cache(maxsize=None)
+def tree_levels(tree: TreeSpec) -> tuple[Level, ...]:
+    """The tree's levels, depth 1 first."""
+    out, previous = [], (0,)
+    for nodes in tree.levels:
+        cols = tuple(previous.index(tree.parents[i] + 1) for i in nodes)
+        out.append(Level(nodes, previous, cols, tuple(tree.ranks[i] for i in nodes)))
+        previous = tuple(i + 1 for i in nodes)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A draft forward: tree `nodes` (node order) fed at cache offset `num_tokens + cached`."""
+
+    nodes: tuple[int, ...]
+    cached: int
+
+
+def trunk_length(tree: TreeSpec) -> int:
+    """Leading levels with a single node (nodes 0..t-1): fed once, then kept in the cache,
+    since they are ancestors of every deeper node. Capped at Dmax - 1 (leaves are not fed)."""
+    t = 0
+    while t < tree.max_depth - 1 and len(tree.levels[t]) == 1:
+        t += 1
+    return t
+
+
+def level_feeds(tree: TreeSpec) -> tuple[Feed, ...]:
+    """The forward after each level but the last. Level l (1-based) feeds the nodes of depth in
+    (c, l] with c = min(trunk, l - 1) levels already cached: a chain feeds one token per level,
+    a bushy tree re-feeds its (non-trunk) upper levels under the ancestor mask."""
+    trunk, depth = trunk_length(tree), tree.depth
+    feeds = []
+    for level in range(1, tree.max_depth):
+        cached = min(trunk, level - 1)
+        feeds.append(Feed(tuple(i for i in range(tree.num_nodes) if cached < depth[i] <= level), cached))
+    return tuple(feeds)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProposePlan:
+    """Static tables of `propose`'s loop, one row per iteration i = 0..Dmax-1: iteration 0
+    re-feeds the last two committed tokens (root logits), iteration i >= 1 feeds level i (its
+    logits); then iteration i draws level i + 1. Feeds are padded to T tokens (padding sits
+    after the real tokens, attends to itself only, and its cache entries are overwritten
+    before use), parents to K, children to C (padding node index N is dropped).
+
+    feed_src `[Dmax, T]`: columns of `[last two committed tokens, draft tokens [N]]` to feed.
+    feed_pos `[Dmax, T]`: positions relative to num_tokens.
+    feed_offset `[Dmax]`: cache offset (the forward's `lengths`) relative to num_tokens.
+    feed_mask `[Dmax, T, T]`: attention among the fed tokens.
+    logit_cols `[Dmax, K]`: feed positions of the parents of level i + 1.
+    child_nodes, child_cols, child_ranks, child_parent `[Dmax, C]`: level i + 1's nodes, their
+      parent's column in logit_cols, their rank, their parent's verify index.
+    """
+
+    feed_src: np.ndarray
+    feed_pos: np.ndarray
+    feed_offset: np.ndarray
+    feed_mask: np.ndarray
+    logit_cols: np.ndarray
+    child_nodes: np.ndarray
+    child_cols: np.ndarray
+    child_ranks: np.ndarray
+    child_parent: np.ndarray
+    num_ranks: int
+
+
+def _padded(rows, width: int, fill: int) -> np.ndarray:
+    return np.asarray([list(r) + [fill] * (width - len(r)) for r in rows], np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def propose_plan(tree: TreeSpec) -> ProposePlan:
+    levels, feeds = tree_levels(tree), level_feeds(tree)
+    depth = np.asarray(tree.depth)
+    width = max([2] + [len(f.nodes) for f in feeds])
+    parents = max(len(lv.parents) for lv in levels)
+    children = max(len(lv.nodes) for lv in levels)
+    src, pos, offset = [(0, 1)], [(-2, -1)], [-2]
+    masks = [np.tril(np.ones((2, 2), bool))]
+    cols = [(1,)]
+    for feed, level in zip(feeds, levels):
+        nodes = np.asarray(feed.nodes)
+        src.append(tuple(nodes + 2))
+        pos.append(tuple(depth[nodes] - 1))
+        offset.append(feed.cached)
+        masks.append(tree.node_ancestor_mask[np.ix_(nodes, nodes)])
+        cols.append(tuple(feed.nodes.index(i) for i in level.nodes))
+    mask = np.zeros((len(masks), width, width), bool)
+    mask[:, np.arange(width), np.arange(width)] = True
+    for i, m in enumerate(masks):
+        mask[i, : len(m), : len(m)] = m
+    return ProposePlan(
+        feed_src=_padded(src, width, 0),
+        feed_pos=_padded(pos, width, 0),
+        feed_offset=np.asarray(offset, np.int32),
+        feed_mask=mask,
+        logit_cols=_padded(cols, parents, 0),
+        child_nodes=_padded([lv.nodes for lv in levels], children, tree.num_nodes),
+        child_cols=_padded([lv.parent_cols for lv in levels], children, 0),
+        child_ranks=_padded([lv.ranks for lv in levels], children, 0),
+        child_parent=_padded([[tree.parents[i] + 1 for i in lv.nodes] for lv in levels], children, 0),
+        num_ranks=max(lv.num_ranks for lv in levels),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def fed_slots(tree: TreeSpec) -> np.ndarray:
+    """`[1 + N]` int32 draft-cache slot of each verify row after propose, relative to
+    `num_tokens - 1` (the root's): fed node i sits at 1 + its index among the nodes of depth
+    <= Dmax - 1; unfed rows (leaves) map to 0."""
+    fed = [i for i in range(tree.num_nodes) if tree.depth[i] < tree.max_depth]
+    slots = np.zeros(tree.num_nodes + 1, np.int32)
+    for j, i in enumerate(fed):
+        slots[i + 1] = j + 1
+    return slots
+
+
+def path_in_place(tree: TreeSpec) -> bool:
+    """Whether every fed node already sits at its path slot (depth), e.g. a chain."""
+    slots = fed_slots(tree)
+    return all(slots[i + 1] in (0, d) for i, d in enumerate(tree.depth))
+
+
+# ---- children of a level ---------------------------------------------------------------------
+
+
+def draw_children(
+    key: jax.Array,
+    logits: jax.Array,
+    cols: jax.Array,
+    ranks: jax.Array,
+    num_ranks: int,
+    sampling: SamplingParams,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Children from the parents' raw draft logits `[B, K, V]`: child c takes candidate
+    `ranks[c]` of parent `cols[c]` (`[C]` each; num_ranks static >= max rank + 1).
+
+    Returns tokens `[B, C]`, ok `[B, C]` (inside the processed support) and probs `[B, C, V]`
+    (the distribution each child was drawn from; see the module docstring).
+    """
+    scores = processed_logits(logits, sampling)  # [B, K, V], -inf outside top-k / top-p
+    noise = jax.random.gumbel(key, scores.shape, jnp.float32)
+    noisy = scores + jnp.where(sampling.is_greedy, 0.0, noise)
+    cand_scores, cand = jax.lax.top_k(noisy, num_ranks)  # [B, K, R]
+    tokens = cand[:, cols, ranks]
+    ok = jnp.isfinite(cand_scores[:, cols, ranks])
+    q = jax.nn.softmax(scores, axis=-1)[:, cols]  # [B, C, V]
+    earlier = jnp.arange(num_ranks)[None, :] < ranks[:, None]  # [C, R]
+    removed = jnp.where(earlier[None], cand[:, cols], q.shape[-1])  # [B, C, R]; V = no-op
+    batch_idx = jnp.arange(q.shape[0])[:, None, None]
+    child_idx = jnp.arange(q.shape[1])[None, :, None]
+    q = q.at[batch_idx, child_idx, removed].set(0.0, mode="drop")
+    mass = jnp.sum(q, axis=-1, keepdims=True)
+    return tokens, ok & (mass[..., 0] > 0), q / jnp.where(mass > 0, mass, 1.0)
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class DraftModelState:
+    """cache: the draft model's KV cache (lengths are set afresh at every forward).
+    base: `[B]` int32 num_tokens at the last propose (the slot of depth-1 nodes)."""
+
+    cache: KVCache
+    base: jax.Array
+
+
+def check_vocab(draft_cfg: ModelConfig, target_cfg: ModelConfig, what: str = "draft model") -> None:
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"the {what} {draft_cfg.name!r} has a vocabulary of {draft_cfg.vocab_size} tokens, "
+            f"the target {target_cfg.name!r} {target_cfg.vocab_size}: a draft model must share "
+            "the target's tokenizer"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter(Drafter):
+    """Drafts with a separate Llama-family model `cfg`; drafter params = its params pytree."""
+
+    cfg: ModelConfig | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.cfg, ModelConfig):
+            raise ValueError("DraftModelDrafter needs the draft model's ModelConfig (cfg=...)")
+
+    @property
+    def name(self) -> str:
+        return f"model:{self.cfg.name}"
+
+    def check_target(self, target_cfg: ModelConfig) -> None:
+        check_vocab(self.cfg, target_cfg)
+
+    def model_params(self, params):
+        """The params `forward(self.cfg, ...)` runs with (layerskip slices the target's)."""
+        return params
+
+    def init(self, params, batch_size: int, width: int) -> DraftModelState:
+        return DraftModelState(
+            cache=init_cache(self.cfg, batch_size, width),
+            base=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def prefill(self, params, state: DraftModelState, decode, target_out) -> DraftModelState:
+        """Runs the prompts (width P = the target's prefill width) through the draft model."""
+        batch, width = target_out.hidden.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        cache = state.cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
+        out = forward(self.cfg, self.model_params(params), decode.tokens[:, :width], positions,
+                      cache, compute_logits=False)
+        return state.replace(cache=out.cache)
+
+    def propose(self, params, state: DraftModelState, decode, key, sampling):
+        tree, plan, params = self.tree, propose_plan(self.tree), self.model_params(params)
+        batch, num_nodes = decode.tokens.shape[0], tree.num_nodes
+        length = decode.num_tokens  # [B] L: the root sits at L - 1
+        last_two = jnp.take_along_axis(decode.tokens, length[:, None] - 2 + jnp.arange(2), axis=1)
+        tables = {k: jnp.asarray(getattr(plan, k)) for k in (
+            "feed_src", "feed_pos", "feed_offset", "feed_mask", "logit_cols",
+            "child_nodes", "child_cols", "child_ranks", "child_parent")}
+        tables["key"] = jax.random.split(key, tree.max_depth)
+
+        def iteration(carry, t):
+            cache, tokens, valid, probs = carry
+            source = jnp.concatenate([last_two, tokens], axis=1)  # [B, 2 + N]
+            width = t["feed_src"].shape[0]
+            out = forward(
+                self.cfg, params, source[:, t["feed_src"]], length[:, None] + t["feed_pos"],
+                cache.replace(lengths=length + t["feed_offset"]),
+                jnp.broadcast_to(t["feed_mask"], (batch, width, width)),
+                logit_indices=jnp.broadcast_to(t["logit_cols"], (batch,) + t["logit_cols"].shape),
+            )
+            tok, ok, q = draw_children(
+                t["key"], out.logits, t["child_cols"], t["child_ranks"], plan.num_ranks, sampling
+            )
+            parent_ok = jnp.concatenate([jnp.ones((batch, 1), bool), valid], axis=1)
+            ok = ok & parent_ok[:, t["child_parent"]]
+            nodes = t["child_nodes"]
+            tokens = tokens.at[:, nodes].set(tok, mode="drop")
+            valid = valid.at[:, nodes].set(ok, mode="drop")
+            probs = probs.at[:, nodes].set(q, mode="drop")
+            return (out.cache, tokens, valid, probs), None
+
+        carry = (
+            state.cache,
+            jnp.zeros((batch, num_nodes), jnp.int32),
+            jnp.zeros((batch, num_nodes), bool),
+            jnp.zeros((batch, num_nodes, self.cfg.vocab_size), jnp.float32),
+        )
+        (cache, tokens, valid, probs), _ = jax.lax.scan(iteration, carry, tables)
+        return Draft(tokens=tokens, valid=valid, probs=probs), state.replace(cache=cache, base=length)
+
+    def update(self, params, state: DraftModelState, decode, result, target_out) -> DraftModelState:
+        """Moves the accepted path's fed nodes to their committed slots (trees only)."""
+        if path_in_place(self.tree):
+            return state
+        slots = jnp.asarray(fed_slots(self.tree))[result.path]  # [B, Dmax + 1]
+        width = int(fed_slots(self.tree).max()) + 1
+        root = state.base - 1
+        cache = state.cache
+        return state.replace(cache=cache.replace(
+            k=compact_rows(cache.k, root, slots, width),
+            v=compact_rows(cache.v, root, slots, width),
+        ))
+
+
+def draft_model_drafter(tree: TreeSpec, cfg: ModelConfig, target_cfg: ModelConfig | None = None):
+    """A DraftModelDrafter, checked against the target's config when given."""
+    drafter = DraftModelDrafter(tree=tree, cfg=cfg)
+    if target_cfg is not None:
+        drafter.check_target(target_cfg)
+    return drafter

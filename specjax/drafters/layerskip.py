@@ -1,0 +1,53 @@
+"""LayerSkip drafting: the target's first K layers + its final norm + LM head, no extra weights.
+
+The drafter params are the target's params; `model_params` slices the stacked layer params
+`[L, ...]` to `[:K]` and everything else (draft KV cache, chain/tree expansion, probabilities)
+is `DraftModelDrafter`'s, run with `cfg.replace(num_layers=K)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.models.config import ModelConfig
+from specjax.tree import TreeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSkipDrafter(DraftModelDrafter):
+    """cfg = the target's config with num_layers = K (see `layerskip_drafter`)."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def name(self) -> str:
+        return f"layerskip:{self.num_layers}"
+
+    def check_target(self, target_cfg: ModelConfig) -> None:
+        if self.cfg != target_cfg.replace(num_layers=self.num_layers):
+            raise ValueError(
+                f"layerskip:{self.num_layers} was built for another target than "
+                f"{target_cfg.name!r}: its config must be the target's with num_layers=K"
+            )
+        if not 1 <= self.num_layers <= target_cfg.num_layers:
+            raise ValueError(
+                f"layerskip:K needs 1 <= K <= {target_cfg.num_layers} (the target's layers), "
+                f"got K={self.num_layers}"
+            )
+
+    def model_params(self, params):
+        """The target's params with the stacked layers cut to the first K."""
+        inner = params["params"]
+        layers = jax.tree.map(lambda x: x[: self.num_layers], inner["layers"])
+        return {**params, "params": {**inner, "layers": layers}}
+
+
+def layerskip_drafter(tree: TreeSpec, target_cfg: ModelConfig, num_layers: int) -> LayerSkipDrafter:
+    """A LayerSkipDrafter drafting with the first `num_layers` layers of the target."""
+    drafter = LayerSkipDrafter(tree=tree, cfg=target_cfg.replace(num_layers=int(num_layers)))
+    drafter.check_target(target_cfg)
+    return drafter

@@ -9,10 +9,11 @@ transformers loads the same Q4_1 GGUF (dequantized to f32) and, for a few chat p
   - the gap between the best and second-best logit at each position (ties make argmax fragile).
 tests/test_hf_reference.py compares specjax's f32 forward against it without torch.
 
-    python benchmarks/make_hf_reference.py [--gguf PATH] [--out tests/fixtures/smollm2_hf_reference.npz]
+    python benchmarks/make_hf_reference.py [--gguf PATH] [--out PATH.npz]
 
 Needs torch==2.13.0 (CPU), transformers and accelerate (`pip install -e .[hf]`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,28 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "smollm2_hf_reference.npz"
+DEFAULT_OUT = (
+    Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "smollm2_hf_reference.npz"
+)
 PROMPTS = (
-    [{"role": "user", "content": "Explain in a few sentences how a bicycle stays upright while moving."}],
-    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [
+        {
+            "role": "user",
+            "content": "Explain in a few sentences how a bicycle stays upright while moving.",
+        }
+    ],
+    [
+        {
+            "role": "user",
+            "content": "Write a Python function that checks whether a string is a palindrome.",
+        }
+    ],
     [
         {"role": "system", "content": "You are a concise assistant that answers in plain English."},
-        {"role": "user", "content": "What are the main differences between a list and a tuple in Python?"},
+        {
+            "role": "user",
+            "content": "What are the main differences between a list and a tuple in Python?",
+        },
     ],
 )
 
@@ -73,7 +89,9 @@ def chat_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def build_reference(gguf_path: Path, new_tokens: int = 64, top_k: int = 16) -> dict[str, np.ndarray]:
+def build_reference(
+    gguf_path: Path, new_tokens: int = 64, top_k: int = 16
+) -> dict[str, np.ndarray]:
     import torch
     import transformers
 
@@ -95,8 +113,11 @@ def build_reference(gguf_path: Path, new_tokens: int = 64, top_k: int = 16) -> d
         margins[i, : len(s)] = topk_values[i, : len(s), 0] - topk_values[i, : len(s), 1]
         prompt_ids[i, : len(p)] = p
     meta = {
-        "gguf": gguf_path.name, "transformers": transformers.__version__, "torch": torch.__version__,
-        "new_tokens": new_tokens, "top_k": top_k,
+        "gguf": gguf_path.name,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "new_tokens": new_tokens,
+        "top_k": top_k,
     }
     return {
         "prompt_ids": prompt_ids,
@@ -127,8 +148,10 @@ def main(argv=None) -> None:
     np.savez_compressed(args.out, **ref)
     lens = ref["prompt_lens"].tolist()
     valid = ref["topk_ids"][..., 0] >= 0
-    print(f"wrote {args.out} ({args.out.stat().st_size} bytes): prompts of {lens} tokens, "
-          f"min top-1/top-2 logit gap {ref['margins'][valid].min():.4f}")
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size} bytes): prompts of {lens} tokens, "
+        f"min top-1/top-2 logit gap {ref['margins'][valid].min():.4f}"
+    )
 
 
 if __name__ == "__main__":

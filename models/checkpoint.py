@@ -6,6 +6,7 @@ Hugging Face layout (linear weights `[out, in]`, q/k rows in rotate-half order).
 turns such a source into the params tree of `specjax.models.llama` (kernels `[in, out]`, layers
 stacked on a leading axis `[L, ...]`), checking every shape on the way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,6 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
-
 from specjax.models.config import ModelConfig
 
 
@@ -31,37 +31,40 @@ class TensorSource:
     """Tensors of one checkpoint by Hugging Face name.
 
     `fetch(name)` returns the array (any float dtype, HF layout) or None when the checkpoint has
-    no such tensor; `path` names the checkpoint in error messages.
+    no such tensor; `path` and `native_name` (the file's own name of a tensor) go into errors.
     """
 
     path: str
     fetch: Callable[[str], np.ndarray | None]
+    native_name: Callable[[str], str] = str
+
+    def describe(self, name: str) -> str:
+        native = self.native_name(name)
+        return repr(name) if native == name else f"{native!r} ({name})"
 
     def require(self, name: str) -> np.ndarray:
         array = self.fetch(name)
         if array is None:
-            raise CheckpointError(self.path, f"missing tensor {name!r}")
+            raise CheckpointError(self.path, f"missing tensor {self.describe(name)}")
         return array
 
 
-# params path under "layers" -> HF name under "model.layers.{i}." of each per-layer linear
-_LAYER_LINEARS = {
-    ("self_attn", "q_proj"): "self_attn.q_proj",
-    ("self_attn", "k_proj"): "self_attn.k_proj",
-    ("self_attn", "v_proj"): "self_attn.v_proj",
-    ("self_attn", "o_proj"): "self_attn.o_proj",
-    ("mlp", "gate_proj"): "mlp.gate_proj",
-    ("mlp", "up_proj"): "mlp.up_proj",
-    ("mlp", "down_proj"): "mlp.down_proj",
-}
-_BIASED = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Where one params leaf lives in a Hugging Face checkpoint."""
+
+    path: tuple[str, ...]  # under "params"
+    hf_name: str  # "{i}" stands for the layer index of per-layer tensors
+    hf_shape: tuple[int, ...]  # one tensor, HF layout (linear weights [out, in])
+    per_layer: bool  # stacked over layers on a leading axis in params
+    transpose: bool  # HF [out, in] -> Flax kernel [in, out]
 
 
-def linear_shapes(cfg: ModelConfig) -> dict[tuple[str, str], tuple[int, int]]:
-    """HF `[out, in]` shape of each per-layer linear weight."""
-    hidden, q_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    kv_dim, ffn = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {
+def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
+    """Every leaf of `init_params(cfg)`, with its HF name and shape."""
+    hidden, ffn, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_dim, kv_dim = cfg.num_heads * dh, cfg.num_kv_heads * dh
+    linears = {
         ("self_attn", "q_proj"): (q_dim, hidden),
         ("self_attn", "k_proj"): (kv_dim, hidden),
         ("self_attn", "v_proj"): (kv_dim, hidden),
@@ -70,22 +73,31 @@ def linear_shapes(cfg: ModelConfig) -> dict[tuple[str, str], tuple[int, int]]:
         ("mlp", "up_proj"): (ffn, hidden),
         ("mlp", "down_proj"): (hidden, ffn),
     }
-
-
-def layer_vectors(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, int]]:
-    """Per-layer 1-D tensors: params path -> (HF suffix, length)."""
-    out = {
-        ("input_layernorm", "scale"): ("input_layernorm.weight", cfg.hidden_size),
-        ("post_attention_layernorm", "scale"): ("post_attention_layernorm.weight", cfg.hidden_size),
+    vectors = {
+        ("input_layernorm",): ("input_layernorm.weight", hidden),
+        ("post_attention_layernorm",): ("post_attention_layernorm.weight", hidden),
     }
-    if cfg.attention_bias:
-        shapes = linear_shapes(cfg)
-        for key in _BIASED:
-            out[(*key, "bias")] = (f"{_LAYER_LINEARS[key]}.bias", shapes[key][0])
     if cfg.qk_norm:
-        out[("self_attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", cfg.head_dim)
-        out[("self_attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", cfg.head_dim)
-    return out
+        vectors[("self_attn", "q_norm")] = ("self_attn.q_norm.weight", dh)
+        vectors[("self_attn", "k_norm")] = ("self_attn.k_norm.weight", dh)
+
+    def layer(path, suffix, shape, transpose):
+        return ParamSpec(("layers", *path), f"model.layers.{{i}}.{suffix}", shape, True, transpose)
+
+    vocab = (cfg.vocab_size, hidden)
+    specs = [
+        ParamSpec(("embed_tokens", "embedding"), "model.embed_tokens.weight", vocab, False, False)
+    ]
+    for (group, name), shape in linears.items():
+        specs.append(layer((group, name, "kernel"), f"{group}.{name}.weight", shape, True))
+        if cfg.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+            specs.append(layer((group, name, "bias"), f"{group}.{name}.bias", shape[:1], False))
+    for path, (suffix, size) in vectors.items():
+        specs.append(layer((*path, "scale"), suffix, (size,), False))
+    specs.append(ParamSpec(("norm", "scale"), "model.norm.weight", (hidden,), False, False))
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec(("lm_head", "kernel"), "lm_head.weight", vocab, False, True))
+    return tuple(specs)
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -97,25 +109,36 @@ def _checked(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndar
     array = source.require(name)
     if tuple(array.shape) != tuple(shape):
         raise CheckpointError(
-            source.path, f"tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}"
+            source.path,
+            f"tensor {source.describe(name)} has shape {tuple(array.shape)}, "
+            f"expected {tuple(shape)}",
         )
     return array
 
 
-def _stacked(source: TensorSource, cfg: ModelConfig, suffix: str, shape, transpose: bool, dtype):
-    """`[L, ...]` stack of `model.layers.{i}.{suffix}` over layers, cast to dtype."""
-    out_shape = (cfg.num_layers, *(shape[::-1] if transpose else shape))
-    out = np.empty(out_shape, dtype)
-    for i in range(cfg.num_layers):
-        array = _checked(source, f"model.layers.{i}.{suffix}", shape)
-        out[i] = array.T if transpose else array
-    return jnp.asarray(out)
+def _leaf(source: TensorSource, spec: ParamSpec, num_layers: int, dtype) -> np.ndarray:
+    """One params leaf: `[L, ...]` stacked per-layer tensors or a single tensor, cast to dtype."""
+    names = (
+        [spec.hf_name.format(i=i) for i in range(num_layers)] if spec.per_layer else [spec.hf_name]
+    )
+    shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+    out = np.empty((len(names), *shape), dtype)
+    for i, name in enumerate(names):
+        array = _checked(source, name, spec.hf_shape)
+        out[i] = array.T if spec.transpose else array
+    return out if spec.per_layer else out[0]
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def _get(tree, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
@@ -126,25 +149,22 @@ def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
     mismatch.
     """
     dtype = numpy_dtype(cfg.dtype)
-    layers: dict = {}
-    for key, out_in in linear_shapes(cfg).items():
-        kernel = _stacked(source, cfg, f"{_LAYER_LINEARS[key]}.weight", out_in, True, dtype)
-        _set(layers, (*key, "kernel"), kernel)
-    for path, (suffix, size) in layer_vectors(cfg).items():
-        _set(layers, path, _stacked(source, cfg, suffix, (size,), False, dtype))
-
-    def single(name, shape):
-        return _checked(source, name, shape).astype(dtype)
-
-    vocab_hidden = (cfg.vocab_size, cfg.hidden_size)
-    params = {
-        "embed_tokens": {"embedding": jnp.asarray(single("model.embed_tokens.weight", vocab_hidden))},
-        "layers": layers,
-        "norm": {"scale": jnp.asarray(single("model.norm.weight", (cfg.hidden_size,)))},
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"kernel": jnp.asarray(single("lm_head.weight", vocab_hidden).T)}
+    params: dict = {}
+    for spec in param_specs(cfg):
+        _set(params, spec.path, jnp.asarray(_leaf(source, spec, cfg.num_layers, dtype)))
     return {"params": params}
+
+
+def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """Inverse of `assemble_params`: HF-named numpy tensors (HF layout) of a params tree."""
+    out = {}
+    for spec in param_specs(cfg):
+        leaf = np.asarray(_get(params["params"], spec.path))
+        for i, array in enumerate(leaf if spec.per_layer else [leaf]):
+            out[spec.hf_name.format(i=i)] = np.ascontiguousarray(
+                array.T if spec.transpose else array
+            )
+    return out
 
 
 def float_config(value) -> float:

@@ -12,13 +12,13 @@ llama.cpp permutes the rows of `attn_q` / `attn_k` of llama-arch files so its in
 (pairs (2i, 2i+1)) matches Hugging Face's rotate-half RoPE (pairs (i, i + Dh/2));
 `unpermute_qk` undoes it. Qwen files are written unpermuted (llama.cpp runs NEOX RoPE on them).
 """
+
 from __future__ import annotations
 
 import os
 import re
 
 import numpy as np
-
 from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_reader import GGUFFile, read_gguf
@@ -38,17 +38,26 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    """llama.cpp's name of a Hugging Face tensor (`model.layers.0.mlp.up_proj.weight` -> `blk.0.ffn_up.weight`)."""
+    """llama.cpp's name of an HF tensor.
+
+    `model.layers.0.mlp.up_proj.weight` -> `blk.0.ffn_up.weight`.
+    """
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     match = _LAYER_RE.fullmatch(hf_name)
@@ -59,7 +68,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF rotate-half rows -> llama.cpp interleaved rows. w `[n_head * Dh, ...]` (weight or bias)."""
+    """HF rotate-half rows -> llama.cpp interleaved rows; w `[n_head * Dh, ...]` (weight, bias)."""
     rest = w.shape[1:]
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
@@ -84,13 +93,14 @@ def gguf_source(file: GGUFFile, cfg: ModelConfig, permuted: bool) -> TensorSourc
             n_head = heads[match.group(2)]
             if array.shape[0] % (2 * n_head):
                 raise CheckpointError(
-                    file.path, f"tensor {name!r} has {array.shape[0]} rows, not a multiple of "
-                    f"2 x {n_head} heads"
+                    file.path,
+                    f"tensor {name!r} has {array.shape[0]} rows, not a multiple of "
+                    f"2 x {n_head} heads",
                 )
             array = unpermute_qk(array, n_head)
         return array
 
-    return TensorSource(file.path, fetch)
+    return TensorSource(file.path, fetch, gguf_tensor_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,25 +114,37 @@ def _uniform_int(file: GGUFFile, key: str, default=None) -> int:
         raise CheckpointError(file.path, f"missing metadata {key!r}")
     if isinstance(value, np.ndarray):  # per-layer values (e.g. head counts of hybrid models)
         if value.size == 0 or (value != value.flat[0]).any():
-            raise CheckpointError(file.path, f"per-layer {key!r} = {value.tolist()} is not supported")
+            raise CheckpointError(
+                file.path, f"per-layer {key!r} = {value.tolist()} is not supported"
+            )
         value = value.flat[0]
     return int(value)
 
 
 def _llama3_scaling(file: GGUFFile, head_dim: int, theta: float) -> RopeScaling:
-    """Recovers Llama-3 RoPE scaling from llama.cpp's `rope_freqs.weight` (per-frequency divisors)."""
+    """Llama-3 RoPE scaling from llama.cpp's `rope_freqs.weight` (per-frequency divisors)."""
     from specjax.models.llama import rope_inv_freq
 
+    def divisors(scaling):  # [Dh/2] base / scaled inverse frequencies
+        base = np.asarray(rope_inv_freq(head_dim, theta, None), np.float64)
+        return base / np.asarray(rope_inv_freq(head_dim, theta, scaling), np.float64)
+
     factors = file.read("rope_freqs.weight").astype(np.float64)
-    base = np.asarray(rope_inv_freq(head_dim, theta, None), np.float64)
-    scaling = RopeScaling(factor=float_config(factors.max()))
-    if factors.shape == base.shape:
-        expected = base / np.asarray(rope_inv_freq(head_dim, theta, scaling), np.float64)
-        if np.allclose(factors, expected, rtol=1e-4):
+    if factors.shape == (head_dim // 2,):
+        if np.allclose(factors, 1.0):
+            return None
+        # 1 / divisor_i = a_i / factor + (1 - a_i), a_i in [0, 1] fixed by the band of frequency i;
+        # read a_i off a probe factor of 2, then solve for the factor where a_i is largest.
+        weight = 2.0 * (1.0 - 1.0 / divisors(RopeScaling(factor=2.0)))
+        i = int(np.argmax(weight))
+        factor = weight[i] / (1.0 / factors[i] - 1.0 + weight[i])
+        scaling = RopeScaling(factor=float(f"{factor:.5g}"))  # f32 noise off: 8.000002 -> 8
+        if np.allclose(factors, divisors(scaling), rtol=1e-4):
             return scaling
     raise CheckpointError(
-        file.path, "rope_freqs.weight does not match Llama-3 RoPE scaling "
-        "(low_freq_factor 1, high_freq_factor 4, original context 8192): unsupported"
+        file.path,
+        "rope_freqs.weight does not match Llama-3 RoPE scaling "
+        "(low_freq_factor 1, high_freq_factor 4, original context 8192): unsupported",
     )
 
 
@@ -130,7 +152,9 @@ def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, theta: float) -> Rop
     kind = file.get(f"{arch}.rope.scaling.type", "none")
     factor = float(file.get(f"{arch}.rope.scaling.factor", 1.0))
     if kind not in ("none", "linear") or (kind == "linear" and factor != 1.0):
-        raise CheckpointError(file.path, f"RoPE scaling {kind!r} (factor {factor}) is not supported")
+        raise CheckpointError(
+            file.path, f"RoPE scaling {kind!r} (factor {factor}) is not supported"
+        )
     if "rope_freqs.weight" in file.tensors:
         return _llama3_scaling(file, head_dim, theta)
     return None
@@ -150,7 +174,9 @@ def config_from_gguf(file: GGUFFile, dtype: str = "float32") -> ModelConfig:
     head_dim = _uniform_int(file, f"{arch}.attention.key_length", hidden // heads)
     rope_dims = _uniform_int(file, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
-        raise CheckpointError(file.path, f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+        raise CheckpointError(
+            file.path, f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported"
+        )
     theta = float_config(file.get(f"{arch}.rope.freq_base", 10000.0))
     tokens = file.get("tokenizer.ggml.tokens") or []
     declared = [file.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]

@@ -6,6 +6,7 @@ time (seconds for SmolLM2) and raises bare ValueErrors on damaged files; this on
 header in ~0.1 s and names the exact problem (truncation point, unknown type id, ...).
 Dequantization is `gguf.quants.dequantize` (numpy).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,22 @@ from typing import Any
 
 import gguf
 import numpy as np
-
 from specjax.models.checkpoint import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 _SCALAR_FORMATS = {
-    gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b",
-    gguf.GGUFValueType.UINT16: "<H", gguf.GGUFValueType.INT16: "<h",
-    gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
-    gguf.GGUFValueType.UINT64: "<Q", gguf.GGUFValueType.INT64: "<q",
-    gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.FLOAT64: "<d",
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.FLOAT64: "<d",
     gguf.GGUFValueType.BOOL: "<?",
 }
 
@@ -57,7 +62,7 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
     def read(self, name: str) -> np.ndarray:
-        """Tensor `name` as a float array (f32; F16 stays f16), numpy shape (see GGUFTensorInfo.shape)."""
+        """Tensor `name` as floats (f32; F16 stays f16), numpy shape (see GGUFTensorInfo.shape)."""
         info = self.tensors[name]
         raw = np.frombuffer(self.buffer, np.uint8, info.nbytes, info.offset)
         if info.qtype == gguf.GGMLQuantizationType.F32:
@@ -109,7 +114,9 @@ class _Cursor:
         if vtype == gguf.GGUFValueType.ARRAY:
             return self.array(what)
         if vtype not in _SCALAR_FORMATS:
-            raise CheckpointError(self.path, f"corrupt header: unknown value type {vtype} in {what}")
+            raise CheckpointError(
+                self.path, f"corrupt header: unknown value type {vtype} in {what}"
+            )
         return self.scalar(_SCALAR_FORMATS[vtype], what)
 
     def array(self, what: str) -> Any:
@@ -124,7 +131,9 @@ class _Cursor:
         return [self.value(item_type, what) for _ in range(count)]
 
 
-def _tensor_info(cursor: _Cursor, path: str) -> tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]:
+def _tensor_info(
+    cursor: _Cursor, path: str
+) -> tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]:
     name = cursor.string("a tensor name")
     n_dims = cursor.scalar("<I", f"tensor {name!r}")
     ne = [cursor.scalar("<Q", f"tensor {name!r}") for _ in range(n_dims)]
@@ -143,8 +152,9 @@ def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], qtype) -> int:
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if shape and shape[-1] % block:
         raise CheckpointError(
-            path, f"tensor {name!r}: row length {shape[-1]} is not a multiple of the "
-            f"{qtype.name} block size {block}"
+            path,
+            f"tensor {name!r}: row length {shape[-1]} is not a multiple of the "
+            f"{qtype.name} block size {block}",
         )
     return math.prod(shape) // block * type_size
 
@@ -154,11 +164,15 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     path = str(path)
     try:
         with open(path, "rb") as f:
-            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
+            buffer = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
+            )
     except OSError as e:
         raise CheckpointError(path, f"cannot open: {e.strerror or e}") from None
     if buffer[:4] != GGUF_MAGIC:
-        raise CheckpointError(path, f"not a GGUF file (starts with {bytes(buffer[:4])!r}, expected b'GGUF')")
+        raise CheckpointError(
+            path, f"not a GGUF file (starts with {bytes(buffer[:4])!r}, expected b'GGUF')"
+        )
     cursor = _Cursor(buffer, path)
     cursor.pos = 4
     version = cursor.scalar("<I", "the version")
@@ -179,8 +193,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         start = data_start + rel
         if start + nbytes > len(buffer):
             raise CheckpointError(
-                path, f"truncated file: tensor {name!r} needs bytes [{start}, {start + nbytes}) "
-                f"but the file has {len(buffer)}"
+                path,
+                f"truncated file: tensor {name!r} needs bytes [{start}, {start + nbytes}) "
+                f"but the file has {len(buffer)}",
             )
         tensors[name] = GGUFTensorInfo(name, shape, qtype, start, nbytes)
     return GGUFFile(path, version, metadata, tensors, buffer)

@@ -6,6 +6,7 @@ Architectures: LlamaForCausalLM (incl. "llama3" rope scaling), MistralForCausalL
 Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm). Tensors keep their checkpoint
 names and layouts, so `assemble_params` reads them directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-
 from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
 from specjax.models.config import ModelConfig, RopeScaling
 
@@ -73,8 +73,12 @@ def config_from_hf(config: dict[str, Any], path: Path, dtype: str = "float32") -
         )
     bias, qk_norm = ARCHITECTURES[arch]
     if arch == "LlamaForCausalLM" and (config.get("attention_bias") or config.get("mlp_bias")):
-        raise CheckpointError(path, "Llama attention_bias / mlp_bias (o_proj / MLP biases) are not supported")
-    if config.get("sliding_window") and config.get("use_sliding_window", arch == "MistralForCausalLM"):
+        raise CheckpointError(
+            path, "Llama attention_bias / mlp_bias (o_proj / MLP biases) are not supported"
+        )
+    if config.get("sliding_window") and config.get(
+        "use_sliding_window", arch == "MistralForCausalLM"
+    ):
         warnings.warn(f"{path}: sliding-window attention is ignored (full attention)", stacklevel=2)
     try:
         heads = int(config["num_attention_heads"])
@@ -89,7 +93,9 @@ def config_from_hf(config: dict[str, Any], path: Path, dtype: str = "float32") -
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
-            rope_theta=float_config(config.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_theta=float_config(
+                config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+            ),
             rope_scaling=_rope_scaling(config, path),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -98,7 +104,9 @@ def config_from_hf(config: dict[str, Any], path: Path, dtype: str = "float32") -
             max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
             dtype=dtype,
             bos_token_id=_first_id(config.get("bos_token_id")),
-            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None),
+            eos_token_ids=tuple(
+                int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None
+            ),
             pad_token_id=_first_id(config.get("pad_token_id")) or 0,
             name=str(config.get("_name_or_path") or config.get("model_type") or arch),
         )
@@ -123,14 +131,16 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     if not single.exists():
         raise CheckpointError(directory, f"no {SINGLE_FILE} or {INDEX_FILE}")
     with _open(single) as f:
-        return {name: single for name in f.keys()}
+        return dict.fromkeys(f.keys(), single)
 
 
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="numpy")
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(path, f"unreadable safetensors file (truncated or corrupt?): {e}") from None
+        raise CheckpointError(
+            path, f"unreadable safetensors file (truncated or corrupt?): {e}"
+        ) from None
 
 
 def hf_source(directory: Path) -> TensorSource:
@@ -147,7 +157,9 @@ def hf_source(directory: Path) -> TensorSource:
         try:
             return handles[file].get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(file, f"cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
+            raise CheckpointError(
+                file, f"cannot read tensor {name!r} (truncated or corrupt?): {e}"
+            ) from None
 
     return TensorSource(str(directory), fetch)
 

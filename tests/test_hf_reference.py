@@ -5,6 +5,7 @@
     position, argmax at every position, a 64-token greedy continuation with the KV cache.
 (b) Live, when torch + transformers are importable: full-vocabulary logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from specjax.models.cache import init_cache
 from specjax.models.hub import load_model
 from specjax.models.llama import forward
@@ -82,7 +82,9 @@ def greedy(model, prompts: list[list[int]], steps: int) -> np.ndarray:
     for _ in range(steps):
         token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)  # [B]
         out.append(np.asarray(token))
-        logits, cache = _forward(model.cfg, model.params, token[:, None], cache.lengths[:, None], cache)
+        logits, cache = _forward(
+            model.cfg, model.params, token[:, None], cache.lengths[:, None], cache
+        )
         cache = cache.advance(jnp.ones_like(cache.lengths))
     return np.stack(out, axis=1)
 
@@ -105,7 +107,10 @@ def test_logits_match_reference_topk(smollm2, reference):
         worst_abs = max(worst_abs, float(err.max()))
         worst_rel = max(worst_rel, float((err / np.maximum(np.abs(want), 1.0)).max()))
         np.testing.assert_array_equal(logits[i, : len(seq)].argmax(-1), ids[:, 0])
-    print(f"\nSmolLM2 f32 vs transformers (top-16, all positions): max-abs {worst_abs:.2e}, max-rel {worst_rel:.2e}")
+    print(
+        f"\nSmolLM2 f32 vs transformers (top-16, all positions): "
+        f"max-abs {worst_abs:.2e}, max-rel {worst_rel:.2e}"
+    )
     assert worst_abs <= LOGIT_ATOL
 
 
@@ -122,7 +127,9 @@ def test_live_full_vocab_logits(smollm2, reference):
     from transformers import AutoModelForCausalLM
 
     source = Path(smollm2.source)
-    hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(source.parent), gguf_file=source.name, dtype=torch.float32
+    )
     prompts = _prompts(reference)
     ours = full_logits(smollm2, prompts)
     worst = 0.0

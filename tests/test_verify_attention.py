@@ -178,3 +178,34 @@ def test_auto_dispatch_keeps_xla_for_padded_head_dims(monkeypatch):
         "pallas", "pallas", "xla", "xla"
     ]
     assert dispatch.resolve_impl("pallas", 80) == "pallas"
+
+
+@pytest.mark.parametrize(
+    "batch, seq, group, head_dim, capacity, dtype, kernel_args",
+    [
+        (8, 32, 4, 128, 32768, jnp.bfloat16, {}),  # the issue's target: 128 rows in one tile
+        (1, 64, 16, 128, 4096, jnp.bfloat16, {"k_splits": 4}),  # 1024 rows: 8 row blocks
+        (2, 3, 3, 64, 1000, jnp.float32, {"block_q": 16, "block_k": 32, "poison": True}),
+    ],
+)
+def test_lowers_to_triton_for_gpu(batch, seq, group, head_dim, capacity, dtype, kernel_args):
+    """The GPU path (interpret=False) lowers to Triton IR on this CPU machine: catches Triton
+    lowering errors (non-power-of-two tensors, unsupported ops) without a GPU."""
+
+    def spec(*shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    args = (
+        spec(batch, seq, 8 * group, head_dim), spec(batch, seq, 8, head_dim),
+        spec(batch, seq, 8, head_dim), spec(batch, capacity, 8, head_dim),
+        spec(batch, capacity, 8, head_dim), spec(batch, dt=jnp.int32),
+        spec(batch, seq, seq, dt=jnp.bool_),
+    )
+    fn = jax.jit(lambda *a: va.verify_attention(*a, interpret=False, **kernel_args))
+    try:
+        lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
+    except Exception as exc:
+        if "cuda" in str(exc).lower() and "platform" in str(exc).lower():
+            pytest.skip(f"no CUDA lowering in this jaxlib: {exc}")
+        raise
+    assert "__gpu" in lowered.as_text()  # the Triton custom call

@@ -32,11 +32,15 @@ class TensorSource:
 
     `fetch(name)` returns the array (any float dtype, HF layout) or None when the checkpoint has
     no such tensor; `path` and `native_name` (the file's own name of a tensor) go into errors.
+    `available` lists the file's own tensor names: any that the model does not read, other than
+    those `ignorable` accepts, are an error (a bias or layer this model would silently drop).
     """
 
     path: str
     fetch: Callable[[str], np.ndarray | None]
     native_name: Callable[[str], str] = str
+    available: frozenset[str] = frozenset()
+    ignorable: Callable[[str], bool] = lambda name: False
 
     def describe(self, name: str) -> str:
         native = self.native_name(name)
@@ -116,11 +120,16 @@ def _checked(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndar
     return array
 
 
+def _names(spec: ParamSpec, num_layers: int) -> list[str]:
+    """HF names of the tensors behind one leaf (one per layer for per-layer leaves)."""
+    if spec.per_layer:
+        return [spec.hf_name.format(i=i) for i in range(num_layers)]
+    return [spec.hf_name]
+
+
 def _leaf(source: TensorSource, spec: ParamSpec, num_layers: int, dtype) -> np.ndarray:
     """One params leaf: `[L, ...]` stacked per-layer tensors or a single tensor, cast to dtype."""
-    names = (
-        [spec.hf_name.format(i=i) for i in range(num_layers)] if spec.per_layer else [spec.hf_name]
-    )
+    names = _names(spec, num_layers)
     shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
     out = np.empty((len(names), *shape), dtype)
     for i, name in enumerate(names):
@@ -148,9 +157,18 @@ def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
     `cfg.tie_word_embeddings` is False. Raises CheckpointError on a missing tensor or a shape
     mismatch.
     """
+    specs = param_specs(cfg)
+    used = {source.native_name(n) for spec in specs for n in _names(spec, cfg.num_layers)}
+    unused = sorted(n for n in source.available - used if not source.ignorable(n))
+    if unused:
+        shown = ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else "")
+        raise CheckpointError(
+            source.path,
+            f"{len(unused)} tensors this model does not use (unsupported variant?): {shown}",
+        )
     dtype = numpy_dtype(cfg.dtype)
     params: dict = {}
-    for spec in param_specs(cfg):
+    for spec in specs:
         _set(params, spec.path, jnp.asarray(_leaf(source, spec, cfg.num_layers, dtype)))
     return {"params": params}
 

@@ -50,6 +50,7 @@ _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+_IGNORABLE = frozenset({"rope_freqs.weight"})  # read into the config (llama3 RoPE scaling)
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
@@ -100,7 +101,9 @@ def gguf_source(file: GGUFFile, cfg: ModelConfig, permuted: bool) -> TensorSourc
             array = unpermute_qk(array, n_head)
         return array
 
-    return TensorSource(file.path, fetch, gguf_tensor_name)
+    return TensorSource(
+        file.path, fetch, gguf_tensor_name, frozenset(file.tensors), _IGNORABLE.__contains__
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +124,7 @@ def _uniform_int(file: GGUFFile, key: str, default=None) -> int:
     return int(value)
 
 
-def _llama3_scaling(file: GGUFFile, head_dim: int, theta: float) -> RopeScaling:
+def _llama3_scaling(file: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
     """Llama-3 RoPE scaling from llama.cpp's `rope_freqs.weight` (per-frequency divisors)."""
     from specjax.models.llama import rope_inv_freq
 

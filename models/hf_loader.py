@@ -143,7 +143,16 @@ def _open(path: Path):
         ) from None
 
 
-def hf_source(directory: Path) -> TensorSource:
+def _ignorable(tied: bool):
+    """Tensors an HF folder may hold that the model need not read."""
+
+    def ignorable(name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+    return ignorable
+
+
+def hf_source(directory: Path, tied: bool = False) -> TensorSource:
     """Tensors of an HF folder by name; shards are opened once, on first use."""
     weight_map = _weight_map(directory)
     handles: dict[Path, Any] = {}
@@ -161,7 +170,9 @@ def hf_source(directory: Path) -> TensorSource:
                 file, f"cannot read tensor {name!r} (truncated or corrupt?): {e}"
             ) from None
 
-    return TensorSource(str(directory), fetch)
+    return TensorSource(
+        str(directory), fetch, available=frozenset(weight_map), ignorable=_ignorable(tied)
+    )
 
 
 def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
@@ -170,4 +181,4 @@ def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> tuple[Model
     if not root.is_dir():
         raise CheckpointError(root, "not a directory")
     cfg = config_from_hf(read_config(root), root / "config.json", dtype)
-    return cfg, assemble_params(cfg, hf_source(root))
+    return cfg, assemble_params(cfg, hf_source(root, cfg.tie_word_embeddings))

@@ -124,7 +124,8 @@ def write_gguf(
     """Writes cfg/params the way llama.cpp does (names, q/k permutation, quantization).
 
     Returns the HF-named f32 tensors a correct loader reads back. `drop` omits GGUF tensors,
-    `replace` maps GGUF names to (payload, raw dtype or None) written instead, `metadata` adds keys.
+    `replace` maps GGUF names to (payload, raw dtype or None) written instead (or in addition),
+    `metadata` adds keys.
     """
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -150,6 +151,7 @@ def write_gguf(
     for key, (value, vtype) in (metadata or {}).items():
         writer.add_key_value(key, value, vtype)
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+    replace = dict(replace or {})
     expected = {}
     for name, array in params_to_hf(cfg, params).items():
         gname = gguf_tensor_name(name)
@@ -158,9 +160,11 @@ def write_gguf(
         stored = permute_qk(array, n_head) if permute else array
         payload, raw_dtype, seen = encode_tensor(stored, qtype, rng)
         expected[name] = unpermute_qk(seen, n_head) if permute else seen
-        payload, raw_dtype = (replace or {}).get(gname, (payload, raw_dtype))
+        payload, raw_dtype = replace.pop(gname, (payload, raw_dtype))
         if gname not in drop:
             writer.add_tensor(gname, payload, raw_dtype=raw_dtype)
+    for gname, (payload, raw_dtype) in replace.items():  # names the model has none of
+        writer.add_tensor(gname, payload, raw_dtype=raw_dtype)
     if cfg.rope_scaling is not None:
         base = np.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
         scaled = np.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -427,6 +431,15 @@ def test_hf_bfloat16_and_transformers5_rope_parameters(tmp_path):
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(got)} == {jnp.dtype("bfloat16")}
 
 
+def test_hf_tied_folder_may_keep_lm_head_and_rotary_buffers(tmp_path):
+    cfg, params = _model({"tie_word_embeddings": True})
+    tensors = params_to_hf(cfg, params)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    _, got = load_hf(write_hf(tmp_path / "hf", cfg, params, tensors=tensors, tokenizer=False))
+    assert_same_params(got, params)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: each names the file and the problem
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +506,16 @@ def test_gguf_errors(tmp_path):
     write_gguf(missing, cfg, params, drop={"blk.1.ffn_up.weight"})
     _expect_error(lambda: load_gguf(missing), missing, "missing tensor 'blk.1.ffn_up.weight'")
 
+    extra = tmp_path / "extra.gguf"
+    bias = (np.zeros(cfg.hidden_size, np.float32), None)
+    write_gguf(extra, cfg, params, replace={"blk.0.attn_output.bias": bias})
+    _expect_error(
+        lambda: load_gguf(extra),
+        extra,
+        "1 tensors this model does not use",
+        "blk.0.attn_output.bias",
+    )
+
     wrong = tmp_path / "shape.gguf"
     write_gguf(
         wrong, cfg, params, replace={"blk.0.attn_v.weight": (np.zeros((8, 32), np.float32), None)}
@@ -529,6 +552,10 @@ def test_hf_errors(tmp_path):
     _expect_error(
         lambda: load_hf(wrong), wrong, "'lm_head.weight' has shape (3, 3), expected (64, 32)"
     )
+
+    extra = {**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}
+    extra_dir = write_hf(tmp_path / "extra", cfg, params, tensors=extra, tokenizer=False)
+    _expect_error(lambda: load_hf(extra_dir), extra_dir, "model.layers.0.self_attn.o_proj.bias")
 
     truncated = write_hf(tmp_path / "truncated", cfg, params, tokenizer=False)
     file = truncated / "model.safetensors"

@@ -113,20 +113,34 @@ def level_feeds(tree: TreeSpec) -> tuple[Feed, ...]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class ChildTables:
+    """The levels as padded tables, row i = the nodes of depth i + 1 (padding: node index N,
+    dropped on scatter; rank 0 of the root).
+
+    nodes, ranks, parent `[Dmax, C]`: node index, candidate rank, parent's verify index.
+    num_ranks: candidates any parent needs (max rank + 1).
+    """
+
+    nodes: np.ndarray
+    ranks: np.ndarray
+    parent: np.ndarray
+    num_ranks: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ProposePlan:
     """Static tables of `propose`'s loop, one row per iteration i = 0..Dmax-1: iteration 0
     re-feeds the last two committed tokens (root logits), iteration i >= 1 feeds level i (its
-    logits); then iteration i draws level i + 1. Feeds are padded to T tokens (padding sits
-    after the real tokens, attends to itself only, and its cache entries are overwritten
-    before use), parents to K, children to C (padding node index N is dropped).
+    logits); then iteration i draws level i + 1 (`children`, plus `child_cols`: each child's
+    parent's column in logit_cols). Feeds are padded to T tokens (padding sits after the real
+    tokens, attends to itself only, and its cache entries are overwritten before use),
+    parents to K.
 
     feed_src `[Dmax, T]`: columns of `[last two committed tokens, draft tokens [N]]` to feed.
     feed_pos `[Dmax, T]`: positions relative to num_tokens.
     feed_offset `[Dmax]`: cache offset (the forward's `lengths`) relative to num_tokens.
     feed_mask `[Dmax, T, T]`: attention among the fed tokens.
     logit_cols `[Dmax, K]`: feed positions of the parents of level i + 1.
-    child_nodes, child_cols, child_ranks, child_parent `[Dmax, C]`: level i + 1's nodes, their
-      parent's column in logit_cols, their rank, their parent's verify index.
     """
 
     feed_src: np.ndarray
@@ -134,11 +148,8 @@ class ProposePlan:
     feed_offset: np.ndarray
     feed_mask: np.ndarray
     logit_cols: np.ndarray
-    child_nodes: np.ndarray
     child_cols: np.ndarray
-    child_ranks: np.ndarray
-    child_parent: np.ndarray
-    num_ranks: int
+    children: ChildTables
 
 
 def _padded(rows, width: int, fill: int) -> np.ndarray:
@@ -146,12 +157,22 @@ def _padded(rows, width: int, fill: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
+def child_tables(tree: TreeSpec) -> ChildTables:
+    levels = tree_levels(tree)
+    width = max(len(lv.nodes) for lv in levels)
+    return ChildTables(
+        nodes=_padded([lv.nodes for lv in levels], width, tree.num_nodes),
+        ranks=_padded([lv.ranks for lv in levels], width, 0),
+        parent=_padded([[tree.parents[i] + 1 for i in lv.nodes] for lv in levels], width, 0),
+        num_ranks=max(lv.num_ranks for lv in levels),
+    )
+
+
+@functools.lru_cache(maxsize=None)
 def propose_plan(tree: TreeSpec) -> ProposePlan:
-    levels, feeds = tree_levels(tree), level_feeds(tree)
+    levels, feeds, children = tree_levels(tree), level_feeds(tree), child_tables(tree)
     depth = np.asarray(tree.depth)
     width = max([2] + [len(f.nodes) for f in feeds])
-    parents = max(len(lv.parents) for lv in levels)
-    children = max(len(lv.nodes) for lv in levels)
     src, pos, offset = [(0, 1)], [(-2, -1)], [-2]
     masks = [np.tril(np.ones((2, 2), bool))]
     cols = [(1,)]
@@ -171,12 +192,9 @@ def propose_plan(tree: TreeSpec) -> ProposePlan:
         feed_pos=_padded(pos, width, 0),
         feed_offset=np.asarray(offset, np.int32),
         feed_mask=mask,
-        logit_cols=_padded(cols, parents, 0),
-        child_nodes=_padded([lv.nodes for lv in levels], children, tree.num_nodes),
-        child_cols=_padded([lv.parent_cols for lv in levels], children, 0),
-        child_ranks=_padded([lv.ranks for lv in levels], children, 0),
-        child_parent=_padded([[tree.parents[i] + 1 for i in lv.nodes] for lv in levels], children, 0),
-        num_ranks=max(lv.num_ranks for lv in levels),
+        logit_cols=_padded(cols, max(len(lv.parents) for lv in levels), 0),
+        child_cols=_padded([lv.parent_cols for lv in levels], children.nodes.shape[1], 0),
+        children=children,
     )
 
 
@@ -293,9 +311,14 @@ class DraftModelDrafter(Drafter):
         batch, num_nodes = decode.tokens.shape[0], tree.num_nodes
         length = decode.num_tokens  # [B] L: the root sits at L - 1
         last_two = jnp.take_along_axis(decode.tokens, length[:, None] - 2 + jnp.arange(2), axis=1)
-        tables = {k: jnp.asarray(getattr(plan, k)) for k in (
-            "feed_src", "feed_pos", "feed_offset", "feed_mask", "logit_cols",
-            "child_nodes", "child_cols", "child_ranks", "child_parent")}
+        children = plan.children
+        tables = {
+            "feed_src": plan.feed_src, "feed_pos": plan.feed_pos, "feed_offset": plan.feed_offset,
+            "feed_mask": plan.feed_mask, "logit_cols": plan.logit_cols,
+            "child_cols": plan.child_cols, "nodes": children.nodes, "ranks": children.ranks,
+            "parent": children.parent,
+        }
+        tables = {k: jnp.asarray(v) for k, v in tables.items()}
         tables["key"] = jax.random.split(key, tree.max_depth)
 
         def iteration(carry, t):
@@ -309,11 +332,11 @@ class DraftModelDrafter(Drafter):
                 logit_indices=jnp.broadcast_to(t["logit_cols"], (batch,) + t["logit_cols"].shape),
             )
             tok, ok, q = draw_children(
-                t["key"], out.logits, t["child_cols"], t["child_ranks"], plan.num_ranks, sampling
+                t["key"], out.logits, t["child_cols"], t["ranks"], children.num_ranks, sampling
             )
             parent_ok = jnp.concatenate([jnp.ones((batch, 1), bool), valid], axis=1)
-            ok = ok & parent_ok[:, t["child_parent"]]
-            nodes = t["child_nodes"]
+            ok = ok & parent_ok[:, t["parent"]]
+            nodes = t["nodes"]
             tokens = tokens.at[:, nodes].set(tok, mode="drop")
             valid = valid.at[:, nodes].set(ok, mode="drop")
             probs = probs.at[:, nodes].set(q, mode="drop")

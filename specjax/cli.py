@@ -81,6 +81,17 @@ def done_ids(out_path: str | os.PathLike | None) -> set:
     return ids
 
 
+def drop_torn_tail(out_path: str | os.PathLike) -> None:
+    """Cuts a partial last line (a job killed mid-write) so appended rows start on a fresh line."""
+    path = Path(out_path)
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def output_row(row: dict, gen) -> dict:
     out = {
         "id": row["id"],
@@ -158,6 +169,8 @@ def cmd_generate(args) -> int:
         return 0
     model = load_model(args.model, dtype=args.dtype)
     drafter, drafter_params = make_draft(args, model)
+    if args.out:
+        drop_torn_tail(args.out)
     out_file = open(args.out, "a", encoding="utf-8") if args.out else None
     total_tokens, spec_rows = 0, []
     start = time.perf_counter()
@@ -168,6 +181,7 @@ def cmd_generate(args) -> int:
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
+            schedule=args.tuned,
         )
         for first, gens in batches:
             for row, gen in zip(todo[first:], gens):
@@ -217,7 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--resume", action="store_true", help="skip ids already in --out")
     add_sampling_args(gen)
     add_draft_args(gen)
+    gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune` (the batch size "
+                     "picks the draft shape; its drafter is used when --draft is not given)")
     gen.set_defaults(func=cmd_generate)
+    from specjax.cli_measure import add_subcommands
+
+    add_subcommands(sub)
     return parser
 
 

@@ -1,0 +1,45 @@
+"""Packaging: models/ and kernels/ are specjax.models / specjax.kernels, never top-level names."""
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+import specjax
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_repository_folders_map_into_the_specjax_namespace():
+    models = importlib.import_module("specjax.models.llama")
+    kernels = importlib.import_module("specjax.kernels.reference")
+    assert Path(models.__file__).resolve().parent == ROOT / "models"
+    assert Path(kernels.__file__).resolve().parent == ROOT / "kernels"
+    configs = importlib.import_module("specjax.configs")
+    assert Path(configs.__file__).resolve().parent == ROOT / "configs"
+
+
+def test_no_source_file_imports_top_level_models_or_kernels():
+    offenders = []
+    for folder in ("specjax", "models", "kernels", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                offenders += [f"{path}: {n}" for n in names if n.split(".")[0] in ("models", "kernels")]
+    assert not offenders, offenders
+
+
+def test_every_module_imports_under_its_package_name():
+    import specjax.kernels
+    import specjax.models
+
+    for package in (specjax, specjax.models, specjax.kernels):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
+    assert "models" not in sys.modules and "kernels" not in sys.modules

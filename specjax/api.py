@@ -20,6 +20,7 @@ from specjax.metrics import row_summaries
 from specjax.models.cache import init_cache
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
+from specjax.schedule import scheduled
 
 MIN_BUCKET = 16
 
@@ -161,12 +162,14 @@ def generate_ids(
     max_len: int | None = None,
     drafter=None,
     drafter_params=None,
+    schedule=None,
 ) -> list[TokenResult]:
     """Generates from token-id prompts; one result per prompt, in order.
 
     Prompts are processed in batches of `batch_size` rows (default: all at once, rounded to a
     bucket); each batch is one jitted prefill+decode program, speculative when a drafter
-    (`specjax.drafters`) is given.
+    (`specjax.drafters`) is given. schedule: a `specjax.schedule.Schedule` (or its YAML path)
+    whose bucket for `batch_size` sets the drafter's draft shape (0 = no speculation).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -175,6 +178,7 @@ def generate_ids(
     sampling = SamplingParams.make(temperature, top_k, top_p)
     criteria = StopCriteria.make(cfg.eos_token_ids if eos_ids is None else eos_ids, stop_token_seqs)
     batch_size = batch_size or bucket(len(prompts), minimum=1)
+    drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size)
     results: list[TokenResult] = []
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for start, chunk in batches(prompts, batch_size):
@@ -239,12 +243,15 @@ def iter_generate(
     dtype: str = "float32",
     max_len: int | None = None,
     labels: Sequence[str] | None = None,
+    schedule=None,
 ) -> Iterator[tuple[int, list[Generation]]]:
     """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
 
     model: a loaded model (cfg, params, tokenizer) or a name/path for `specjax.models.load_model`.
     draft: None (plain decoding) or a Drafter (see `specjax.drafters.registry.make_drafter`).
     labels: names of the prompts for error messages (default "prompt i").
+    schedule: a tuned `specjax.schedule.Schedule` or its YAML path: the bucket of batch_size
+      picks the draft shape (with draft=None, the schedule's own drafter spec is built).
     """
     model = _loaded(model, dtype)
     cfg, params, tokenizer = model.cfg, model.params, model.tokenizer
@@ -259,6 +266,7 @@ def iter_generate(
     validate_prompts(ids, cfg.vocab_size, max_new_tokens, max_len, labels)
     sampling = SamplingParams.make(temperature, top_k, top_p)
     criteria = StopCriteria.make(eos_ids, tokenizer.stop_sequences(stops))
+    draft, drafter_params = scheduled(draft, drafter_params, schedule, batch_size, model, dtype)
     carry = () if draft is None else draft.init_carry(drafter_params)
     for start, chunk in batches(ids, batch_size):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), start)

@@ -153,7 +153,7 @@ def target_latency(
     cache = init_cache(cfg, batch_size, capacity)
     cache = cache.replace(lengths=jnp.full((batch_size,), context, jnp.int32))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, num_tokens), 0, cfg.vocab_size)
-    step = lambda c: _forward_tokens(cfg, params, tokens, c)[0]  # noqa: E731
+    step = lambda c: _forward_tokens(cfg, params, tokens, c)[0]
     seconds, _ = median_time(step, cache, repeats=repeats, warmup=warmup)
     return seconds
 
@@ -165,19 +165,27 @@ def _no_stop() -> StopCriteria:
     return StopCriteria.make((), ())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "width"))
-def _prefilled(cfg, params, drafter, drafter_params, prompt_tokens, key, sampling, *, width):
-    """A running batch right after prefill (rows never finish): (DecodeState, drafter state)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("cache",))
+def _prefilled_jit(cfg, params, drafter, drafter_params, prompt_tokens, cache, key, sampling):
     batch, prompt_width = prompt_tokens.shape
+    width = cache.capacity
     lengths = jnp.full((batch,), prompt_width, jnp.int32)
     max_new = jnp.full((batch,), width, jnp.int32)
-    state = init_state(prompt_tokens, lengths, max_new, init_cache(cfg, batch, width), key, width)
+    state = init_state(prompt_tokens, lengths, max_new, cache, key, width)
     hidden = drafter.hidden_layers if drafter is not None else ()
     state, out = prefill(cfg, params, state, prompt_width, sampling, _no_stop(), hidden)
     if drafter is None:
         return state, ()
     dstate = drafter.resume(drafter.init(drafter_params, batch, width), drafter.init_carry(drafter_params))
     return state, drafter.prefill(drafter_params, dstate, state, out)
+
+
+def _prefilled(cfg, params, drafter, drafter_params, batch_size: int, context: int, width: int):
+    """A running batch right after prefilling `context` prompt tokens (rows never finish):
+    (DecodeState with a `width`-entry buffer and cache, drafter state)."""
+    return _prefilled_jit(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
+                          init_cache(cfg, batch_size, width), jax.random.PRNGKey(3),
+                          SamplingParams.make())
 
 
 def _prompt(cfg: ModelConfig, batch_size: int, context: int) -> jax.Array:
@@ -203,9 +211,8 @@ def ar_step_latency(
     """T_ar(B): one plain decoding step (forward of the root, sample, append)."""
     sampling = SamplingParams.make()
     width = _step_width(context, 0, repeats + warmup, capacity)
-    state, _ = _prefilled(cfg, params, None, None, _prompt(cfg, batch_size, context),
-                          jax.random.PRNGKey(3), sampling, width=width)
-    step = lambda s: _ar_step_jit(cfg, params, s, sampling)  # noqa: E731
+    state, _ = _prefilled(cfg, params, None, None, batch_size, context, width)
+    step = lambda s: _ar_step_jit(cfg, params, s, sampling)
     return median_time(step, state, repeats=repeats, warmup=warmup)[0]
 
 
@@ -223,11 +230,10 @@ def step_latency(
     sampling = SamplingParams.make()
     tree = drafter.tree
     width = _step_width(context, tree.num_nodes, repeats + warmup, capacity)
-    state, dstate = _prefilled(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
-                               jax.random.PRNGKey(3), sampling, width=width)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context, width)
     metrics = jax.tree.map(jnp.copy, SpecMetrics.zeros(batch_size, tree.max_depth))  # distinct buffers
     carry = (state, dstate, metrics)
-    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)  # noqa: E731
+    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)
     return median_time(step, carry, repeats=repeats, warmup=warmup)[0]
 
 
@@ -255,11 +261,10 @@ def draft_latency(
     """T_draft(B, drafter): the drafter's propose + update for one step (target excluded)."""
     sampling = SamplingParams.make()
     key = jax.random.PRNGKey(4)
-    width = _step_width(context, drafter.tree.num_nodes, 1, capacity)
-    state, dstate = _prefilled(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
-                               key, sampling, width=width)
+    width = _step_width(context, drafter.tree.num_nodes, repeats + warmup, capacity)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context, width)
     target_out, result = _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling)
-    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]  # noqa: E731
+    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]
     return median_time(step, dstate, repeats=repeats, warmup=warmup)[0]
 
 
@@ -293,7 +298,7 @@ class LatencyProfile:
         return float(np.interp(num_tokens, ts, [curve[t] for t in ts]))
 
     def to_dict(self) -> dict:
-        str_keys = lambda d: {str(k): (str_keys(v) if isinstance(v, dict) else v) for k, v in d.items()}  # noqa: E731
+        str_keys = lambda d: {str(k): (str_keys(v) if isinstance(v, dict) else v) for k, v in d.items()}
         return {
             "model": self.model, "device": self.device, "context": self.context,
             "capacity": self.capacity, "target_s": str_keys(self.target),
@@ -302,7 +307,7 @@ class LatencyProfile:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LatencyProfile":
+    def from_dict(cls, data: dict) -> LatencyProfile:
         return cls(
             model=data["model"], device=data["device"], context=data["context"],
             capacity=data.get("capacity"),

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import yaml
 
 from specjax.drafters.base import Drafter

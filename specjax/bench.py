@@ -1,0 +1,450 @@
+"""`specjax bench`: speculative decoding vs the plain baseline, per category, in one process.
+
+Both modes run the same prompts (token-level `generate_ids`, batches formed inside each
+category) after a warm-up that compiles every program shape used (so no timed run compiles).
+Modes alternate per category (AR then spec, then spec then AR, ...) so that slow drift of the
+machine hits both alike. Time to first token (TTFT) is measured by the same programs with
+max_new_tokens = 1 (prefill, plus the drafter's prefill, plus one sample).
+
+JSON report (schema "specjax.bench", version 1; keys are stable, new keys may be added):
+
+    {
+      "schema": "specjax.bench", "version": 1,
+      "created": ISO-8601 time, "command": [argv...] | null,
+      "environment": {"backend", "device_kind", "num_devices", "jax_version", "specjax_version"},
+      "config": {"model", "draft", "tree": {"name", "num_nodes", "max_depth", "parents"},
+                 "dataset", "categories": [...], "per_category", "max_new_tokens",
+                 "batch_size", "temperature", "top_k", "top_p", "seed", "repeats",
+                 "ignore_eos", "chat"},
+      "categories": {NAME: SECTION, ...},
+      "overall": SECTION
+    }
+    SECTION = {
+      "num_prompts": int,
+      "baseline": MODE,
+      "spec": MODE + ACCEPTANCE,
+      "speedup": spec tokens_per_s / baseline tokens_per_s (end to end, TTFT included),
+      "decode_speedup": the same for decode_tokens_per_s (null when either is null),
+      "ideal_speedup": float | null,        (overall only, when latency was profiled:
+      "system_efficiency": float | null      decode_speedup / ideal_speedup)
+    }
+    MODE = {
+      "new_tokens": emitted tokens (all repeats), "time_s": summed batch wall times,
+      "tokens_per_s": new_tokens / time_s,
+      "decode_tokens_per_s": (new_tokens - first tokens) / (time_s - summed batch TTFTs),
+                             null when the TTFT runs took as long as the full runs (tiny models),
+      "ttft_s": {"median", "mean"} over batches (a batch's first tokens arrive together)
+    }
+    ACCEPTANCE (vLLM definitions, `specjax.metrics.summarize`) = {
+      "steps", "drafted", "accepted", "acceptance_length" (AL = 1 + accepted / steps),
+      "acceptance_rate", "accepted_per_position": [Dmax], "joint_acceptance": [Dmax],
+      "conditional_acceptance": [Dmax], "accepted_length_histogram": [Dmax + 1]
+    }
+
+The ideal speedup is what the measured step costs allow: AL x T_target(B, 1) /
+(T_target(B, 1 + N) + T_draft(B)) from `specjax.profile` at the run's mean context; the system
+efficiency (measured decode speedup / ideal) shows what the loop's own overheads (accept,
+commit, bookkeeping) cost. Forced-acceptance drafters (`forced:...`) make it measurable on
+shape-only models.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specjax.api import bucket, generate_ids
+from specjax.datasets import categories_of
+from specjax.metrics import job_summary
+
+SCHEMA = "specjax.bench"
+SCHEMA_VERSION = 1
+MODE_KEYS = ("new_tokens", "time_s", "tokens_per_s", "decode_tokens_per_s", "ttft_s")
+ACCEPTANCE_KEYS = (
+    "steps", "drafted", "accepted", "acceptance_length", "acceptance_rate",
+    "accepted_per_position", "joint_acceptance", "conditional_acceptance",
+    "accepted_length_histogram",
+)
+SECTION_KEYS = ("num_prompts", "baseline", "spec", "speedup", "decode_speedup")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How every timed run generates (shared by both modes)."""
+
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    ignore_eos: bool = False  # rows run to max_new_tokens (forced / shape-only runs)
+    stop_token_seqs: tuple[tuple[int, ...], ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and drafters
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_rows(model, rows: Sequence[dict], chat: bool = True) -> list[list[int]]:
+    """Token ids per row: the model's tokenizer (chat template when `chat`), or for shape-only
+    models without one, the prompt's UTF-8 bytes (ids < 256, so text structure survives)."""
+    tok = model.tokenizer
+    if tok is None:
+        vocab = model.cfg.vocab_size
+        return [[b % vocab for b in r["prompt"].encode("utf-8")] for r in rows]
+    return [tok.encode_chat(r["prompt"]) if chat else tok.encode(r["prompt"]) for r in rows]
+
+
+def make_any_drafter(spec: str, tree, model, dtype: str = "float32"):
+    """(drafter, params) for a --draft spec: `forced:...` here, the rest from the registry."""
+    from specjax.drafters.forced import is_forced, make_forced
+
+    if is_forced(spec):
+        return make_forced(spec, tree, model.cfg.vocab_size), None
+    from specjax.drafters.registry import make_drafter
+
+    return make_drafter(spec, tree=tree, target=model, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timed runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModeRecord:
+    """Accumulated measurements of one mode (baseline or spec) over some batches."""
+
+    new_tokens: int = 0
+    first_tokens: int = 0  # rows whose first token counted (one per row)
+    batch_times: list[float] = dataclasses.field(default_factory=list)
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    spec_rows: list[dict] = dataclasses.field(default_factory=list)
+
+    def add(self, other: ModeRecord) -> None:
+        self.new_tokens += other.new_tokens
+        self.first_tokens += other.first_tokens
+        self.batch_times += other.batch_times
+        self.ttfts += other.ttfts
+        self.spec_rows += other.spec_rows
+
+
+def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_new_tokens: int):
+    """`generate_ids` over ids with the run's settings -> TokenResults (one per row)."""
+    return generate_ids(
+        model.cfg, model.params, ids, max_new_tokens=max_new_tokens, temperature=run.temperature,
+        top_k=run.top_k, top_p=run.top_p, seed=run.seed, batch_size=run.batch_size,
+        eos_ids=() if run.ignore_eos else None, stop_token_seqs=run.stop_token_seqs,
+        drafter=drafter, drafter_params=drafter_params,
+    )
+
+
+def timed_run(model, ids, run: RunConfig, drafter=None, drafter_params=None) -> ModeRecord:
+    """One mode over ids: a full run, then a TTFT run (max_new_tokens = 1)."""
+    results = generate_batches(model, ids, run, drafter, drafter_params, run.max_new_tokens)
+    firsts = generate_batches(model, ids, run, drafter, drafter_params, 1)
+    starts = range(0, len(ids), run.batch_size)
+    return ModeRecord(
+        new_tokens=sum(len(r.token_ids) for r in results),
+        first_tokens=len(ids),
+        batch_times=[results[i].time_s for i in starts],
+        ttfts=[firsts[i].time_s for i in starts],
+        spec_rows=[r.spec for r in results if r.spec is not None],
+    )
+
+
+def warm_tokens(max_new_tokens: int) -> int:
+    """The fewest new tokens whose program has the same shapes as max_new_tokens'."""
+    width = bucket(max_new_tokens)
+    return next(n for n in range(1, max_new_tokens + 1) if bucket(n) == width)
+
+
+def warm_up(model, groups: Sequence[list[list[int]]], run: RunConfig, modes) -> None:
+    """Compiles every program (per prompt bucket, full and TTFT) that the timed runs of each
+    mode `(drafter | None, params)` will use."""
+    seen = set()
+    short = dataclasses.replace(run, max_new_tokens=warm_tokens(run.max_new_tokens))
+    for ids in groups:
+        for start in range(0, len(ids), run.batch_size):
+            chunk = ids[start : start + run.batch_size]
+            width = bucket(max(len(p) for p in chunk))
+            if width in seen:
+                continue
+            seen.add(width)
+            for d, p in modes:
+                timed_run(model, chunk, short, d, p)
+
+
+def measure(
+    model, groups: dict[str, list[list[int]]], run: RunConfig, drafter, drafter_params,
+    *, repeats: int = 1, warmup: bool = True, log: Callable[[str], None] | None = None,
+) -> dict[str, tuple[ModeRecord, ModeRecord]]:
+    """(baseline, spec) records per group, alternating the order of the modes."""
+    if warmup:
+        warm_up(model, list(groups.values()), run, [(None, None), (drafter, drafter_params)])
+    out = {name: (ModeRecord(), ModeRecord()) for name in groups}
+    turn = 0
+    for _ in range(repeats):
+        for name, ids in groups.items():
+            modes = [(0, None, None), (1, drafter, drafter_params)]
+            for slot, d, p in modes if turn % 2 == 0 else modes[::-1]:
+                out[name][slot].add(timed_run(model, ids, run, d, p))
+            turn += 1
+            if log:
+                base, spec = out[name]
+                log(f"{name}: baseline {_rate(base.new_tokens, sum(base.batch_times)):.1f} tok/s, "
+                    f"spec {_rate(spec.new_tokens, sum(spec.batch_times)):.1f} tok/s")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and the report
+# ---------------------------------------------------------------------------------------------
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def mode_stats(rec: ModeRecord) -> dict:
+    """MODE of the schema."""
+    time_s = sum(rec.batch_times)
+    decode_time = time_s - sum(rec.ttfts)
+    return {
+        "new_tokens": rec.new_tokens,
+        "time_s": time_s,
+        "tokens_per_s": _rate(rec.new_tokens, time_s),
+        "decode_tokens_per_s": (
+            _rate(rec.new_tokens - rec.first_tokens, decode_time) if decode_time > 0 else None
+        ),
+        "ttft_s": {
+            "median": statistics.median(rec.ttfts) if rec.ttfts else 0.0,
+            "mean": statistics.fmean(rec.ttfts) if rec.ttfts else 0.0,
+        },
+    }
+
+
+def section(num_prompts: int, base: ModeRecord, spec: ModeRecord) -> dict:
+    """SECTION of the schema (without the ideal speedup)."""
+    b, s = mode_stats(base), mode_stats(spec)
+    acceptance = job_summary(spec.spec_rows)
+    ratio = lambda x, y: x / y if x is not None and y else None
+    return {
+        "num_prompts": num_prompts,
+        "baseline": b,
+        "spec": {**s, **{k: acceptance[k] for k in ACCEPTANCE_KEYS}},
+        "speedup": ratio(s["tokens_per_s"], b["tokens_per_s"]),
+        "decode_speedup": ratio(s["decode_tokens_per_s"], b["decode_tokens_per_s"]),
+        "ideal_speedup": None,
+        "system_efficiency": None,
+    }
+
+
+def merged(records: Sequence[ModeRecord]) -> ModeRecord:
+    total = ModeRecord()
+    for r in records:
+        total.add(r)
+    return total
+
+
+def ideal_speedup(tokens_per_step: float, t_target_1: float, t_target_n: float, t_draft: float) -> float:
+    """AL x T_target(B, 1) / (T_target(B, 1 + N) + T_draft(B)): the speedup of the measured
+    step costs when nothing but the target's forwards and the drafter cost time."""
+    return tokens_per_step * t_target_1 / (t_target_n + t_draft)
+
+
+def tree_info(tree) -> dict | None:
+    if tree is None:
+        return None
+    return {"name": tree.name, "num_nodes": tree.num_nodes, "max_depth": tree.max_depth,
+            "parents": list(tree.parents)}
+
+
+def build_report(
+    rows: Sequence[dict], records: dict[str, tuple[ModeRecord, ModeRecord]], config: dict,
+    command: Sequence[str] | None = None, ideal: dict | None = None,
+) -> dict:
+    """The JSON report (schema in the module docstring). ideal: {"t_target_1", "t_target_n",
+    "t_draft"} seconds from the latency profiler, or None."""
+    from specjax import __version__
+    from specjax.profile import device_info
+
+    counts = {c: sum(r["category"] == c for r in rows) for c in categories_of(rows)}
+    cats = {c: section(counts[c], *records[c]) for c in records}
+    overall = section(
+        len(rows), merged([b for b, _ in records.values()]), merged([s for _, s in records.values()])
+    )
+    if ideal is not None:
+        overall["ideal_speedup"] = ideal_speedup(overall["spec"]["acceptance_length"], **ideal)
+        if overall["decode_speedup"] is not None:
+            overall["system_efficiency"] = overall["decode_speedup"] / overall["ideal_speedup"]
+        overall["latency_s"] = ideal
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": list(command) if command is not None else None,
+        "environment": {**device_info(), "specjax_version": __version__},
+        "config": config,
+        "categories": cats,
+        "overall": overall,
+    }
+
+
+def validate_report(report: dict) -> None:
+    """Raises ValueError when a report does not follow schema version 1."""
+    def need(obj, keys, where):
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            raise ValueError(f"{where}: missing {missing}")
+
+    need(report, ("schema", "version", "environment", "config", "categories", "overall"), "report")
+    if report["schema"] != SCHEMA or report["version"] != SCHEMA_VERSION:
+        raise ValueError(f"not a {SCHEMA} v{SCHEMA_VERSION} report")
+    for name, sec in [("overall", report["overall"])] + list(report["categories"].items()):
+        need(sec, SECTION_KEYS + ("ideal_speedup", "system_efficiency"), name)
+        need(sec["baseline"], MODE_KEYS, f"{name}.baseline")
+        need(sec["spec"], MODE_KEYS + ACCEPTANCE_KEYS, f"{name}.spec")
+        depth = len(sec["spec"]["accepted_per_position"])
+        if len(sec["spec"]["accepted_length_histogram"]) != depth + 1:
+            raise ValueError(f"{name}: histogram needs Dmax + 1 = {depth + 1} bins")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (optional: the `plots` extra)
+# ---------------------------------------------------------------------------------------------
+
+
+def write_plots(report: dict, out_dir: str | os.PathLike) -> list[Path]:
+    """PNGs: acceptance per position, throughput and speedup per category, accepted lengths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plots needs matplotlib: pip install 'specjax[plots]'") from None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = {**report["categories"], "overall": report["overall"]}
+    names = list(sections)
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, sec in sections.items():
+        pos = np.arange(1, len(sec["spec"]["conditional_acceptance"]) + 1)
+        style = dict(lw=2.5, color="black") if name == "overall" else dict(lw=1, alpha=0.8)
+        axes[0].plot(pos, sec["spec"]["conditional_acceptance"], marker="o", label=name, **style)
+        axes[1].plot(pos, sec["spec"]["joint_acceptance"], marker="o", label=name, **style)
+    for ax, title in zip(axes, ("conditional acceptance", "joint acceptance")):
+        ax.set(xlabel="draft position", ylabel=title, ylim=(0, 1.02), title=title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
+
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 4))
+    ax.bar(x - 0.2, [sections[n]["baseline"]["tokens_per_s"] for n in names], 0.4, label="baseline")
+    ax.bar(x + 0.2, [sections[n]["spec"]["tokens_per_s"] for n in names], 0.4, label="speculative")
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set(ylabel="output tokens / s", title="throughput per category")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 4))
+    ax.bar(x, [sections[n]["speedup"] for n in names], color="tab:green")
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set(ylabel="speedup vs baseline", title="speedup per category")
+    paths.append(_save(fig, out_dir / "speedup.png"))
+
+    hist = report["overall"]["spec"]["accepted_length_histogram"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(np.arange(len(hist)), np.asarray(hist) / max(1, sum(hist)))
+    ax.set(xlabel="accepted draft tokens per step", ylabel="fraction of steps",
+           title="accepted lengths (overall)")
+    paths.append(_save(fig, out_dir / "accepted_lengths.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+def profile_ideal(model, drafter, drafter_params, run: RunConfig, ids: Sequence[Sequence[int]],
+                  repeats: int = 5) -> dict:
+    """The step costs behind the ideal speedup, at the run's mean context and buffer width."""
+    from specjax.profile import draft_latency, target_latency
+
+    mean_prompt = int(np.mean([len(p) for p in ids]))
+    context = mean_prompt + run.max_new_tokens // 2
+    capacity = bucket(max(len(p) for p in ids)) + bucket(run.max_new_tokens) + drafter.tree.num_nodes + 1
+    timing = dict(context=context, capacity=capacity, repeats=repeats)
+    cfg, params, b = model.cfg, model.params, run.batch_size
+    return {
+        "t_target_1": target_latency(cfg, params, b, 1, **timing),
+        "t_target_n": target_latency(cfg, params, b, drafter.tree.num_nodes + 1, **timing),
+        "t_draft": draft_latency(cfg, params, drafter, drafter_params, b, **timing),
+    }
+
+
+def run_bench(
+    model, rows: Sequence[dict], drafter, drafter_params, run: RunConfig, *,
+    chat: bool = True, repeats: int = 1, ideal: bool = False, config: dict | None = None,
+    command: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
+) -> dict:
+    """Benchmarks `drafter` against plain decoding on rows ({"category", "prompt"}) -> report."""
+    ids = encode_rows(model, rows, chat)
+    groups: dict[str, list[list[int]]] = {}
+    for row, row_ids in zip(rows, ids):
+        groups.setdefault(row["category"], []).append(row_ids)
+    records = measure(model, groups, run, drafter, drafter_params, repeats=repeats, log=log)
+    costs = profile_ideal(model, drafter, drafter_params, run, ids) if ideal else None
+    config = {
+        **(config or {}), "tree": tree_info(drafter.tree), "categories": list(groups),
+        "max_new_tokens": run.max_new_tokens, "batch_size": run.batch_size,
+        "temperature": run.temperature, "top_k": run.top_k, "top_p": run.top_p, "seed": run.seed,
+        "repeats": repeats, "ignore_eos": run.ignore_eos, "chat": chat,
+    }
+    return build_report(rows, records, config, command, costs)
+
+
+def write_json(report: dict, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A human-readable table of the report."""
+    lines = [f"{'category':<16} {'n':>4} {'AL':>5} {'base tok/s':>10} {'spec tok/s':>10} "
+             f"{'speedup':>7} {'TTFT ms':>8}"]
+    for name, sec in {**report["categories"], "overall": report["overall"]}.items():
+        lines.append(
+            f"{name:<16} {sec['num_prompts']:>4} {sec['spec']['acceptance_length']:>5.2f} "
+            f"{sec['baseline']['tokens_per_s']:>10.1f} {sec['spec']['tokens_per_s']:>10.1f} "
+            f"{sec['speedup']:>7.2f} {sec['spec']['ttft_s']['median'] * 1e3:>8.1f}"
+        )
+    o = report["overall"]
+    if o.get("system_efficiency"):
+        lines.append(f"ideal speedup {o['ideal_speedup']:.2f}, decode speedup {o['decode_speedup']:.2f}, "
+                     f"system efficiency {o['system_efficiency']:.1%}")
+    return lines

@@ -1,0 +1,389 @@
+"""`specjax tune`: the draft length (or tree) per batch size, from measurements of this device.
+
+Throughput model (decode throughput: the first token, from prefill, is excluded on both sides),
+for batch size B and draft shape c (a chain of D, a tree preset, or none):
+
+    tokens/s(c, B) = E[tokens per step](c) x B x U(c, B) / (T_target(B, 1 + N_c) + T_draft(B, c))
+
+- E: from a calibration run with a chain of max_draft: per row, E_i(D) = 1 + sum_{j<D}
+  joint_ij (a chain of D drafts a prefix of the long chain's draft; the drafters here are
+  prefix-consistent); a tree's E is its measured AL. No speculation: E = 1.
+- U: batch utilisation. A batch runs until its slowest row is done, so with per-row steps
+  s_i = (tokens_i - 1) / E_i, U = sum_i s_i / (B x sum over batches of max_i s_i) (U = 1 at
+  B = 1); computed from the calibration rows grouped as the real run groups them.
+- T_target, T_draft from `specjax.profile` at the run's mean context and buffer width
+  ("predicted_tps"). "predicted_tps_step" uses T_step(B, c) instead, the measured whole step
+  (draft, verify, accept, commit, bookkeeping; T_ar(B) without speculation): the ranking uses
+  it when measured, since it includes the loop's own overheads.
+
+The analytic starting points printed beside the measured choice: D = 128/G - 1 (G query heads
+per KV head: one verify-attention tile of G x (1 + D) rows), the tile-aligned D with
+G x (1 + D) a multiple of 128, and the D at which the target's GEMMs (M = B x (1 + D) rows)
+leave the memory-bound region (arithmetic intensity above the device's FLOP/byte ridge).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.api import bucket
+from specjax.bench import (
+    RunConfig,
+    generate_batches,
+    make_any_drafter,
+    mode_stats,
+    timed_run,
+    warm_up,
+)
+from specjax.profile import LatencyProfile, profile_latency
+from specjax.schedule import Bucket, Schedule, draft_tree, shape_label
+
+TILE_ROWS = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# The throughput model (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def throughput(tokens_per_step: float, batch_size: int, t_target: float, t_draft: float) -> float:
+    """E[tokens per step] x B / (T_target(B, 1 + D) + T_draft(B, D)), tokens/s."""
+    return tokens_per_step * batch_size / (t_target + t_draft)
+
+
+def chain_tokens_per_step(joint: Sequence[float], num_draft: int) -> float:
+    """1 + sum of the first D joint acceptances: E[tokens per step] of a chain of D."""
+    return 1.0 + float(sum(joint[:num_draft]))
+
+
+def batch_steps(row_tokens: Sequence[int], row_tps: Sequence[float], batch_size: int) -> tuple[float, float]:
+    """(sum of row decode steps, sum over batches of the slowest row's steps).
+
+    Rows are grouped in order, `batch_size` at a time, as `generate_ids` batches them; a row
+    emitting t tokens at E tokens per step takes (t - 1) / E decode steps.
+    """
+    steps = [max(t - 1, 0) / e for t, e in zip(row_tokens, row_tps)]
+    batches = [steps[i : i + batch_size] for i in range(0, len(steps), batch_size)]
+    return float(sum(steps)), float(sum(max(b) for b in batches))
+
+
+def predict(row_tokens: Sequence[int], row_tps: Sequence[float], batch_size: int, step_s: float) -> dict:
+    """Predicted decode throughput of rows at one step cost: {"tokens_per_step" E,
+    "utilization" U, "tokens_per_s" = E x B x U / step_s}."""
+    row_steps, batch_total = batch_steps(row_tokens, row_tps, batch_size)
+    decode_tokens = sum(max(t - 1, 0) for t in row_tokens)
+    e = decode_tokens / row_steps if row_steps else 1.0
+    u = row_steps / (batch_size * batch_total) if batch_total else 1.0
+    return {"tokens_per_step": e, "utilization": u,
+            "tokens_per_s": decode_tokens / (batch_total * step_s) if batch_total else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic starting points
+# ---------------------------------------------------------------------------------------------
+
+
+def tile_draft_lengths(group_size: int, max_draft: int) -> dict:
+    """{"tile": 128/G - 1 (floor), "aligned": [D <= max_draft with G(1+D) % 128 == 0]}."""
+    return {
+        "tile": TILE_ROWS // group_size - 1,
+        "aligned": [d for d in range(1, max_draft + 1) if group_size * (1 + d) % TILE_ROWS == 0],
+    }
+
+
+def gemm_ridge_rows(k: int, n: int, ridge: float, bytes_per_elem: int) -> int:
+    """Smallest M at which an [M, K] x [K, N] GEMM's FLOPs / bytes exceeds `ridge`.
+
+    intensity(M) = 2 M K N / (bytes x (K N + M K + M N)); grows with M toward 2 K N / (K + N).
+    Returns a huge number when the GEMM never leaves the memory-bound region.
+    """
+    denom = 2 * k * n - ridge * bytes_per_elem * (k + n)
+    if denom <= 0:
+        return 1 << 30
+    return max(1, math.ceil(ridge * bytes_per_elem * k * n / denom))
+
+
+def memory_bound_draft(cfg, batch_size: int, ridge: float) -> dict:
+    """Where the target's MLP GEMM (hidden x intermediate) becomes compute-bound at batch B:
+    {"rows": M*, "num_draft": ceil(M* / B) - 1}."""
+    rows = gemm_ridge_rows(cfg.hidden_size, cfg.intermediate_size, ridge, cfg.jnp_dtype.itemsize)
+    return {"rows": rows, "num_draft": max(0, -(-rows // batch_size) - 1)}
+
+
+def measure_roofline(dtype: str = "float32") -> dict:
+    """Peak matmul FLOP/s and streaming bytes/s of this device, measured (medians of 5)."""
+    accel = jax.default_backend() != "cpu"
+    n = 4096 if accel else 1024
+    a = jnp.ones((n, n), dtype)
+    x = jnp.ones(((512 if accel else 128) << 20) // 4, jnp.float32)
+    matmul, stream = jax.jit(lambda a: a @ a), jax.jit(lambda x: jnp.sum(x))
+
+    def med(fn, arg):
+        jax.block_until_ready(fn(arg))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    flops = 2 * n**3 / med(matmul, a)
+    bandwidth = x.nbytes / med(stream, x)
+    return {"flops": flops, "bytes_per_s": bandwidth, "ridge": flops / bandwidth}
+
+
+def knee(profile: LatencyProfile, batch_size: int, tolerance: float = 0.1) -> int:
+    """Largest measured D with T_target(B, 1 + D) <= (1 + tolerance) x T_target(B, 1)."""
+    curve = profile.target[batch_size]
+    base = curve[min(curve)]
+    return max((t - 1 for t, s in curve.items() if s <= (1 + tolerance) * base), default=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates, calibration, predictions
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A draft shape: a chain of num_draft (0 = no speculation) or a tree preset."""
+
+    num_draft: int = 0
+    tree: str | None = None
+
+    @property
+    def label(self) -> str:
+        return shape_label(self.num_draft, self.tree)
+
+    @property
+    def tree_spec(self):
+        return draft_tree(self.num_draft, self.tree)
+
+    @property
+    def num_nodes(self) -> int:
+        spec = self.tree_spec
+        return spec.num_nodes if spec is not None else 0
+
+
+def draft_grid(max_draft: int) -> list[int]:
+    """D = 1..8, then 10, 12, 16, 20, 24, 32, ... up to max_draft."""
+    extra = [10, 12, 16, 20, 24, 32, 48, 64]
+    return sorted({d for d in list(range(1, 9)) + extra if d <= max_draft} | {max_draft})
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Per-row measurements of the calibration run: emitted tokens, joint acceptance per
+    position (chain of max_draft), speculative summaries, and each tree's per-row AL."""
+
+    row_tokens: list[int]
+    row_joint: list[list[float]]
+    spec_rows: list[dict]
+    tree_tps: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def row_tps(self, cand: Candidate) -> list[float]:
+        if cand.tree:
+            return self.tree_tps[cand.tree]
+        return [chain_tokens_per_step(j, cand.num_draft) for j in self.row_joint]
+
+    def acceptance(self) -> dict:
+        """The job-level acceptance summary of the calibration chain."""
+        from specjax.metrics import job_summary
+
+        return job_summary(self.spec_rows)
+
+
+def calibrate(model, ids, run: RunConfig, draft_spec: str, max_draft: int, trees: Sequence[str],
+              dtype: str = "float32") -> Calibration:
+    """Runs the drafter as a chain of max_draft (and each tree) over ids; per-row profiles."""
+    drafter, params = make_any_drafter(draft_spec, draft_tree(max_draft), model, dtype)
+    results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
+    cal = Calibration(
+        row_tokens=[len(r.token_ids) for r in results],
+        row_joint=[r.spec["joint_acceptance"] for r in results],
+        spec_rows=[r.spec for r in results],
+    )
+    for name in trees:
+        drafter, params = make_any_drafter(draft_spec, draft_tree(tree=name), model, dtype)
+        results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
+        cal.tree_tps[name] = [r.spec["acceptance_length"] for r in results]
+    return cal
+
+
+def predictions(cal: Calibration, prof: LatencyProfile, candidates: Sequence[Candidate], batch_size: int) -> list[dict]:
+    """One row per candidate (no speculation included): E, U, costs and predicted tokens/s."""
+    out = []
+    for cand in [Candidate(0)] + [c for c in candidates if c.label != "0"]:
+        tps = cal.row_tps(cand) if cand.label != "0" else [1.0] * len(cal.row_tokens)
+        if cand.label == "0":
+            t_target, t_draft, t_step = prof.target_at(batch_size, 1), 0.0, prof.ar_step.get(batch_size)
+        else:
+            t_target = prof.target_at(batch_size, 1 + cand.num_nodes)
+            t_draft = prof.draft[batch_size][cand.label]
+            t_step = prof.step.get(batch_size, {}).get(cand.label)
+        ideal = predict(cal.row_tokens, tps, batch_size, t_target + t_draft)
+        row = {
+            "label": cand.label, "num_draft": cand.num_draft, "tree": cand.tree,
+            "tokens_per_step": ideal["tokens_per_step"], "utilization": ideal["utilization"],
+            "t_target_s": t_target, "t_draft_s": t_draft, "t_step_s": t_step,
+            "predicted_tps": ideal["tokens_per_s"],
+            "predicted_tps_step": (
+                predict(cal.row_tokens, tps, batch_size, t_step)["tokens_per_s"] if t_step else None
+            ),
+        }
+        row["rank_tps"] = row["predicted_tps_step"] or row["predicted_tps"]
+        out.append(row)
+    return sorted(out, key=lambda r: -r["rank_tps"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring candidates for real
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequence[dict],
+                       dtype: str = "float32", repeats: int = 1) -> dict[str, dict]:
+    """Real decode throughput of each candidate (prediction rows) at run.batch_size:
+    label -> {"decode_tokens_per_s", "tokens_per_s"}."""
+    modes = {}
+    for row in labels:
+        cand = Candidate(row["num_draft"], row["tree"])
+        if cand.label == "0":
+            modes[cand.label] = (None, None)
+        else:
+            modes[cand.label] = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
+    warm_up(model, [ids], run, list(modes.values()))
+    out = {}
+    for label, (drafter, params) in modes.items():
+        rec = timed_run(model, ids, run, drafter, params)
+        for _ in range(repeats - 1):
+            rec.add(timed_run(model, ids, run, drafter, params))
+        stats = mode_stats(rec)
+        out[label] = {"decode_tokens_per_s": stats["decode_tokens_per_s"], "tokens_per_s": stats["tokens_per_s"]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole tuner
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    max_draft: int = 32
+    draft_lengths: tuple[int, ...] | None = None  # default: draft_grid(max_draft)
+    trees: tuple[str, ...] = ()
+    calib_batch_size: int = 4
+    profile_repeats: int = 5
+    step_profile: bool = True
+    check: int = 3  # measure the best `check` candidates per batch size (0 = no self-check)
+    sweep: bool = False  # measure every candidate (to judge the pick)
+    dtype: str = "float32"
+
+
+def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConfig, tc: TuneConfig,
+         log: Callable[[str], None] = lambda _: None) -> dict:
+    """Calibrate, profile, predict, check; returns the report (schedule in report["schedule"])."""
+    ids = [list(p) for p in rows_ids]
+    cands = [Candidate(d) for d in (tc.draft_lengths or draft_grid(tc.max_draft))]
+    cands += [Candidate(tree=t) for t in tc.trees]
+    max_draft = max([tc.max_draft] + [c.num_draft for c in cands])
+    start = time.perf_counter()
+    cal = calibrate(model, ids, dataclasses.replace(run, batch_size=tc.calib_batch_size),
+                    draft_spec, max_draft, tc.trees, tc.dtype)
+    log(f"calibration: {len(ids)} prompts, chain of {max_draft}, "
+        f"{time.perf_counter() - start:.0f} s")
+
+    context = int(np.mean([len(p) for p in ids])) + run.max_new_tokens // 2
+    capacity = bucket(max(len(p) for p in ids)) + bucket(run.max_new_tokens) + 1 + max(c.num_nodes for c in cands)
+    drafters = {c.label: make_any_drafter(draft_spec, c.tree_spec, model, tc.dtype) for c in cands}
+    prof = profile_latency(
+        model, tc.batch_sizes, [1] + [1 + c.num_nodes for c in cands], drafters, context=context,
+        capacity=capacity, repeats=tc.profile_repeats, steps=tc.step_profile, log=log,
+    )
+    roof = measure_roofline(model.cfg.dtype)
+    report = {
+        "model": model.cfg.name, "draft": draft_spec, "device": prof.device,
+        "calibration": {"num_prompts": len(ids), "max_draft": max_draft,
+                        "acceptance": cal.acceptance()},
+        "roofline": roof,
+        "analytic": {"group_size": model.cfg.group_size,
+                     **tile_draft_lengths(model.cfg.group_size, max_draft)},
+        "profile": prof.to_dict(),
+        "batch_sizes": {},
+    }
+    buckets = []
+    for b in tc.batch_sizes:
+        preds = predictions(cal, prof, cands, b)
+        entry = {
+            "predictions": preds,
+            "pick": preds[0]["label"],
+            "memory_bound": memory_bound_draft(model.cfg, b, roof["ridge"]),
+            "knee_num_draft": knee(prof, b),
+        }
+        measure_top = preds if tc.sweep else preds[: tc.check]
+        if measure_top:
+            brun = dataclasses.replace(run, batch_size=b)
+            measured = measure_candidates(model, ids, brun, draft_spec, measure_top, tc.dtype)
+            for p in preds:
+                p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
+            entry["check"] = [
+                {"label": p["label"], "predicted_tps": p["predicted_tps"],
+                 "predicted_tps_step": p["predicted_tps_step"], "measured_tps": p["measured_tps"]}
+                for p in preds[: tc.check]
+            ]
+            if tc.sweep:
+                best = max(preds, key=lambda p: p["measured_tps"] or 0.0)
+                pick = preds[0]
+                entry["sweep"] = {
+                    "best": best["label"], "best_tps": best["measured_tps"],
+                    "pick_tps": pick["measured_tps"],
+                    "pick_vs_best": (pick["measured_tps"] or 0.0) / best["measured_tps"],
+                }
+        report["batch_sizes"][b] = entry
+        top = preds[0]
+        buckets.append(Bucket(
+            batch_size=b, num_draft=top["num_draft"], tree=top["tree"],
+            extra={"predicted_tokens_per_s": round(top["rank_tps"], 2)},
+        ))
+        for line in format_batch(b, entry, report["analytic"]):
+            log(line)
+    report["schedule"] = Schedule(tuple(buckets), model=model.cfg.name, draft=draft_spec,
+                                  device=prof.device["device_kind"]).to_dict()
+    return report
+
+
+def format_batch(batch_size: int, entry: dict, analytic: dict) -> list[str]:
+    """The table printed per batch size: candidates by predicted throughput, then the
+    analytic starting points next to the pick."""
+    lines = [f"== batch size {batch_size}",
+             f"{'D/tree':>12} {'E[tok/step]':>11} {'U':>5} {'T_target ms':>11} {'T_draft ms':>10} "
+             f"{'T_step ms':>9} {'pred tok/s':>10} {'pred(step)':>10} {'measured':>9}"]
+    fmt = lambda x, spec: format(x, spec) if x is not None else "-"
+    for p in entry["predictions"]:
+        lines.append(
+            f"{p['label']:>12} {p['tokens_per_step']:>11.2f} {p['utilization']:>5.2f} "
+            f"{p['t_target_s'] * 1e3:>11.2f} {p['t_draft_s'] * 1e3:>10.2f} "
+            f"{fmt(p['t_step_s'] and p['t_step_s'] * 1e3, '9.2f'):>9} {p['predicted_tps']:>10.1f} "
+            f"{fmt(p['predicted_tps_step'], '10.1f'):>10} {fmt(p.get('measured_tps'), '9.1f'):>9}"
+        )
+    mb = entry["memory_bound"]
+    lines.append(
+        f"pick: {entry['pick']} | analytic: 128/G-1 = {analytic['tile']} (G={analytic['group_size']}), "
+        f"tile-aligned D = {analytic['aligned'] or 'none <= max_draft'}, GEMMs leave the "
+        f"memory-bound region at B(1+D) >= {mb['rows']} (D >= {mb['num_draft']}), "
+        f"measured knee (T_target within 10% of T=1): D = {entry['knee_num_draft']}"
+    )
+    if "sweep" in entry:
+        s = entry["sweep"]
+        lines.append(f"sweep: best {s['best']} at {s['best_tps']:.1f} tok/s; pick reaches "
+                     f"{s['pick_vs_best']:.1%} of it")
+    return lines

@@ -1,0 +1,196 @@
+"""specjax tune: the throughput model, analytic starting points, schedules, the profiler."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specjax.drafters.ngram import NgramDrafter
+from specjax.profile import LatencyProfile, shape_config, target_latency
+from specjax.schedule import Bucket, Schedule, load_schedule, scheduled
+from specjax.tree import chain, load_tree
+from specjax.tune import (
+    Calibration,
+    Candidate,
+    batch_steps,
+    chain_tokens_per_step,
+    draft_grid,
+    gemm_ridge_rows,
+    knee,
+    memory_bound_draft,
+    predict,
+    predictions,
+    throughput,
+    tile_draft_lengths,
+)
+
+# ---- throughput model --------------------------------------------------------------------------
+
+
+def test_throughput_formula():
+    # E = 3 tokens/step, B = 4, T_target(4, 1 + D) = 20 ms, T_draft = 5 ms -> 480 tokens/s
+    assert throughput(3.0, 4, 0.020, 0.005) == pytest.approx(480.0)
+    assert chain_tokens_per_step([0.8, 0.6, 0.3], 2) == pytest.approx(2.4)
+    assert chain_tokens_per_step([0.8, 0.6, 0.3], 5) == pytest.approx(2.7)
+
+
+def test_batch_utilisation_hand_computed():
+    # rows emit 11, 21, 5 tokens at 2, 2, 1 tokens/step -> 5, 10, 4 decode steps
+    tokens, tps = [11, 21, 5], [2.0, 2.0, 1.0]
+    assert batch_steps(tokens, tps, 2) == (19.0, 14.0)  # batches {5, 10} and {4}
+    p = predict(tokens, tps, 2, step_s=0.01)
+    assert p["tokens_per_step"] == pytest.approx(34 / 19)
+    assert p["utilization"] == pytest.approx(19 / 28)
+    assert p["tokens_per_s"] == pytest.approx(34 / (14 * 0.01))
+    # the same number through the issue's formula with utilisation folded in
+    assert p["tokens_per_s"] == pytest.approx(throughput(p["tokens_per_step"], 2 * p["utilization"], 0.008, 0.002))
+    solo = predict(tokens, tps, 1, step_s=0.01)
+    assert solo["utilization"] == pytest.approx(1.0)
+
+
+def _profile():
+    prof = LatencyProfile(model="m", device={"device_kind": "cpu"}, context=64)
+    prof.target = {1: {1: 0.010, 2: 0.0105, 3: 0.011, 5: 0.012, 9: 0.030}}
+    prof.ar_step = {1: 0.011}
+    prof.draft = {1: {"1": 0.001, "2": 0.001, "4": 0.001, "8": 0.001}}
+    prof.step = {1: {"1": 0.0125, "2": 0.013, "4": 0.014, "8": 0.033}}
+    return prof
+
+
+def test_predictions_rank_candidates():
+    cal = Calibration(row_tokens=[65, 65], row_joint=[[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]] * 2,
+                      spec_rows=[])
+    preds = predictions(cal, _profile(), [Candidate(d) for d in (1, 2, 4, 8)], 1)
+    by_label = {p["label"]: p for p in preds}
+    e4 = 1 + 0.9 + 0.8 + 0.7 + 0.6
+    assert by_label["4"]["tokens_per_step"] == pytest.approx(e4)
+    assert by_label["4"]["predicted_tps"] == pytest.approx(throughput(e4, 1, 0.012, 0.001))
+    assert by_label["4"]["predicted_tps_step"] == pytest.approx(e4 / 0.014)
+    assert by_label["0"]["predicted_tps_step"] == pytest.approx(1 / 0.011)
+    assert preds[0]["label"] == "4"  # D = 8 pays 30 ms per step
+    assert [p["rank_tps"] for p in preds] == sorted((p["rank_tps"] for p in preds), reverse=True)
+
+
+def test_latency_profile_round_trip_interpolation_and_knee():
+    prof = _profile()
+    again = LatencyProfile.from_dict(prof.to_dict())
+    assert again == prof
+    assert prof.target_at(1, 4) == pytest.approx(0.0115)
+    assert prof.target_at(1, 100) == pytest.approx(0.030)
+    assert knee(prof, 1) == 2  # T = 3 is 10 % above T = 1, T = 5 20 %
+    assert knee(prof, 1, tolerance=0.25) == 4
+
+
+# ---- analytic starting points ------------------------------------------------------------------
+
+
+def test_tile_draft_lengths():
+    assert tile_draft_lengths(4, 40) == {"tile": 31, "aligned": [31]}
+    assert tile_draft_lengths(8, 40) == {"tile": 15, "aligned": [15, 31]}
+    assert tile_draft_lengths(3, 64) == {"tile": 41, "aligned": []}  # 3(1+D) % 128 needs D = 127
+
+
+def test_gemm_ridge_rows_is_the_crossing():
+    k, n, ridge, size = 4096, 14336, 200.0, 2
+    m = gemm_ridge_rows(k, n, ridge, size)
+    intensity = lambda m: 2 * m * k * n / (size * (k * n + m * k + m * n))
+    assert intensity(m) >= ridge > intensity(m - 1)
+    assert gemm_ridge_rows(8, 8, 1e6, 4) > 1e8  # never compute-bound
+    cfg = shape_config("llama3-8b", 2, dtype="bfloat16")
+    assert memory_bound_draft(cfg, 16, ridge)["num_draft"] == -(-m // 16) - 1
+
+
+def test_draft_grid():
+    assert draft_grid(32) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32]
+    assert draft_grid(6) == [1, 2, 3, 4, 5, 6]
+    assert draft_grid(13) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13]
+
+
+# ---- schedules ----------------------------------------------------------------------------------
+
+
+def test_schedule_file_round_trip(tmp_path):
+    sched = Schedule(
+        (Bucket(16, tree="kary_2x2x2"), Bucket(1, 6, extra={"predicted_tokens_per_s": 12.5}),
+         Bucket(64, 0)),
+        model="smollm2-135m", draft="ngram", device="cpu",
+    )
+    path = tmp_path / "tuned" / "s.yaml"
+    sched.save(path, header="written by a test\nsecond line")
+    text = path.read_text()
+    assert text.startswith("# written by a test\n# second line\n")
+    again = load_schedule(path)
+    assert again == sched and again.to_dict() == sched.to_dict()
+    assert again.buckets[0].extra == {"predicted_tokens_per_s": 12.5}
+    assert [b.batch_size for b in again.buckets] == [1, 16, 64]
+    assert again.pick(1).num_draft == 6
+    assert again.pick(4).tree == "kary_2x2x2"  # smallest bucket >= 4
+    assert again.pick(64).num_draft == 0 and again.pick(500).num_draft == 0
+
+
+def test_schedule_errors(tmp_path):
+    with pytest.raises(ValueError, match="version"):
+        load_schedule({"version": 9, "buckets": []})
+    with pytest.raises(ValueError, match="not both"):
+        Bucket(4, num_draft=3, tree="chain4")
+    with pytest.raises(ValueError, match="duplicate"):
+        Schedule((Bucket(4, 1), Bucket(4, 2)))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_schedule(tmp_path / "missing.yaml")
+
+
+def test_scheduled_drafter_follows_the_bucket():
+    sched = Schedule((Bucket(2, 3), Bucket(8, tree="kary_2x2x2"), Bucket(32, 0)))
+    base = NgramDrafter(tree=chain(4), n_max=2)
+    d, p = scheduled(base, "params", sched, 2)
+    assert d.tree == chain(3) and d.n_max == 2 and p == "params"
+    assert scheduled(base, None, sched, 8)[0].tree == load_tree("kary_2x2x2")
+    assert scheduled(base, None, sched, 32) == (None, None)
+    assert scheduled(base, "p", None, 32) == (base, "p")
+
+
+def test_generate_ids_with_schedule(tiny_model):
+    """The batch size's bucket sets the draft shape (same program shapes as test_bench's e2e)."""
+    from specjax.api import generate_ids
+    from specjax.drafters.forced import ForcedDrafter
+
+    cfg, params = tiny_model
+    sched = Schedule((Bucket(2, 2), Bucket(4, 0)))
+    drafter = ForcedDrafter(tree=chain(5), profile=(1.0, 0.0), vocab_size=cfg.vocab_size)
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 9, 10]]
+    spec = generate_ids(cfg, params, prompts, max_new_tokens=16, eos_ids=[], batch_size=2,
+                        drafter=drafter, schedule=sched)
+    assert all(r.spec["conditional_acceptance"] == [1.0, 0.0] for r in spec)
+    assert all(len(r.token_ids) == 16 for r in spec)
+
+
+# ---- profiler ------------------------------------------------------------------------------------
+
+
+def test_random_shape_models_and_target_latency(tiny_model):
+    cfg = shape_config("llama3-8b", 4)
+    assert (cfg.num_layers, cfg.group_size, cfg.vocab_size) == (4, 4, 128256)
+    assert cfg.rope_scaling is not None and cfg.name == "random:llama3-8b"
+    with pytest.raises(ValueError, match="shapes"):
+        shape_config("no-such-model")
+    tiny_cfg, params = tiny_model
+    seconds = target_latency(tiny_cfg, params, 2, 3, context=8, repeats=2, warmup=1)
+    assert 0 < seconds < 5
+
+
+def test_cli_parses_measurement_commands():
+    from specjax.cli import build_parser
+
+    args = build_parser().parse_args([
+        "tune", "--model", "random:tiny", "--draft", "ngram", "--dataset", "synthetic:2",
+        "--batch-sizes", "1,4", "--max-draft", "8", "--out", "x.yaml",
+    ])
+    assert args.batch_sizes == "1,4" and args.max_draft == 8 and args.func.__name__ == "cmd_tune"
+    args = build_parser().parse_args([
+        "bench", "--draft", "forced:0.8", "--num-draft", "3", "--dataset", "q.jsonl",
+        "--categories", "a,b", "--per-category", "2", "--json", "o.json", "--plots", "p",
+    ])
+    assert args.json_out == "o.json" and args.per_category == 2 and args.func.__name__ == "cmd_bench"
+    gen = build_parser().parse_args(["generate", "--prompt", "hi", "--tuned", "s.yaml"])
+    assert gen.tuned == "s.yaml"
+    assert dataclasses.is_dataclass(Candidate(3)) and Candidate(3).num_nodes == 3

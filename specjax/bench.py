@@ -104,11 +104,7 @@ def encode_rows(model, rows: Sequence[dict], chat: bool = True) -> list[list[int
 
 
 def make_any_drafter(spec: str, tree, model, dtype: str = "float32"):
-    """(drafter, params) for a --draft spec: `forced:...` here, the rest from the registry."""
-    from specjax.drafters.forced import is_forced, make_forced
-
-    if is_forced(spec):
-        return make_forced(spec, tree, model.cfg.vocab_size), None
+    """(drafter, params) for a --draft spec, from the drafter registry."""
     from specjax.drafters.registry import make_drafter
 
     return make_drafter(spec, tree=tree, target=model, dtype=dtype)

@@ -252,7 +252,7 @@ def spec_step(
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
     root = state.last_token
     target_out = verify(cfg, params, state.cache, root, draft, tree, drafter.hidden_layers)
-    result = drafter.accept(accept_key, target_out.logits, draft, sampling)
+    result = drafter.accept(drafter_params, accept_key, target_out.logits, draft, sampling)
     active = ~state.done
     cache = commit(target_out.cache, result, tree, active)
     block = accepted_tokens(jnp.concatenate([root[:, None], draft.tokens], axis=1), result)

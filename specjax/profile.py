@@ -244,7 +244,7 @@ def _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling
 
     draft, _ = drafter.propose(drafter_params, dstate, state, key, sampling)
     out = verify(cfg, params, state.cache, state.last_token, draft, drafter.tree, drafter.hidden_layers)
-    return out, drafter.accept(key, out.logits, draft, sampling)
+    return out, drafter.accept(drafter_params, key, out.logits, draft, sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",), donate_argnames=("dstate",))

@@ -21,7 +21,9 @@ from specjax.bench import (
     warm_tokens,
 )
 from specjax.datasets import load_prompt_set, select_rows, synthetic_rows
-from specjax.drafters.forced import ForcedDrafter, accept_forced, expected_accepted, make_forced
+from specjax.drafters.forced import (
+    MAX_DEPTH, ForcedDrafter, accept_forced, expected_accepted, forced_params, make_forced,
+)
 from specjax.metrics import SpecMetrics, job_summary, length_histogram, row_summaries, summarize
 from specjax.sampling import SamplingParams
 from specjax.tree import chain, k_ary
@@ -171,12 +173,17 @@ def test_encode_rows_without_tokenizer_uses_bytes():
 # ---- forced acceptance ------------------------------------------------------------------------
 
 
+class _Cfg:
+    vocab_size = 64
+
+
 def _forced_counts(tree, profile, rows=6000, seed=0):
     logits = jax.random.normal(jax.random.PRNGKey(seed), (rows, tree.num_nodes + 1, 16))
     draft = Draft(tokens=jnp.zeros((rows, tree.num_nodes), jnp.int32),
                   valid=jnp.ones((rows, tree.num_nodes), bool))
-    res = jax.jit(accept_forced, static_argnums=(3, 5))(
-        jax.random.PRNGKey(seed + 1), logits, draft, tree, SamplingParams.make(), tuple(profile))
+    res = jax.jit(accept_forced, static_argnums=(3,))(
+        jax.random.PRNGKey(seed + 1), logits, draft, tree, SamplingParams.make(),
+        forced_params(profile)["conditional"])
     return np.asarray(res.num_accepted), np.asarray(res.next_token), np.asarray(logits)
 
 
@@ -205,13 +212,18 @@ def test_forced_expected_acceptance_on_a_tree():
 
 
 def test_forced_spec_parsing(tmp_path):
-    d = make_forced("forced:0.9,0.5", chain(4), 64)
-    assert isinstance(d, ForcedDrafter) and d.conditional == (0.9, 0.5, 0.5, 0.5)
+    d, params = make_forced("forced:0.9,0.5", chain(4), 64)
+    assert isinstance(d, ForcedDrafter) and params["conditional"].shape == (MAX_DEPTH,)
+    assert np.allclose(params["conditional"][:4], [0.9, 0.5, 0.5, 0.5])
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"overall": {"spec": {"conditional_acceptance": [0.7, 0.6]}}}))
-    assert make_forced(f"forced:{path}", chain(2), 64).profile == (0.7, 0.6)
+    assert np.allclose(make_forced(f"forced:{path}", chain(2), 64)[1]["conditional"][:3], [0.7, 0.6, 0.6])
     with pytest.raises(ValueError):
         make_forced("forced:1.5", chain(2), 64)
+    from specjax.drafters.registry import make_drafter
+
+    d2, p2 = make_drafter("forced:0.9,0.5", tree=chain(4), target_cfg=_Cfg)
+    assert d2 == d and np.array_equal(p2["conditional"], params["conditional"])
 
 
 # ---- end to end on a tiny model ---------------------------------------------------------------
@@ -227,9 +239,9 @@ def test_bench_end_to_end_forced(tiny_model, tmp_path):
     model = Model()
     model.cfg, model.params, model.tokenizer = cfg, params, None
     rows = [dict(r, category=c) for r, c in zip(synthetic_rows(4, 12), "aabb")]
-    drafter = ForcedDrafter(tree=chain(2), profile=(1.0, 0.0), vocab_size=cfg.vocab_size)
+    drafter = ForcedDrafter(tree=chain(2), vocab_size=cfg.vocab_size)
     run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
-    report = run_bench(model, rows, drafter, None, run)
+    report = run_bench(model, rows, drafter, forced_params((1.0, 0.0)), run)
     validate_report(report)
     o = report["overall"]
     assert o["baseline"]["new_tokens"] == o["spec"]["new_tokens"] == 4 * 16

@@ -152,14 +152,14 @@ def test_scheduled_drafter_follows_the_bucket():
 def test_generate_ids_with_schedule(tiny_model):
     """The batch size's bucket sets the draft shape (same program shapes as test_bench's e2e)."""
     from specjax.api import generate_ids
-    from specjax.drafters.forced import ForcedDrafter
+    from specjax.drafters.forced import ForcedDrafter, forced_params
 
     cfg, params = tiny_model
     sched = Schedule((Bucket(2, 2), Bucket(4, 0)))
-    drafter = ForcedDrafter(tree=chain(5), profile=(1.0, 0.0), vocab_size=cfg.vocab_size)
+    drafter = ForcedDrafter(tree=chain(5), vocab_size=cfg.vocab_size)
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 9, 10]]
     spec = generate_ids(cfg, params, prompts, max_new_tokens=16, eos_ids=[], batch_size=2,
-                        drafter=drafter, schedule=sched)
+                        drafter=drafter, drafter_params=forced_params((1.0, 0.0)), schedule=sched)
     assert all(r.spec["conditional_acceptance"] == [1.0, 0.0] for r in spec)
     assert all(len(r.token_ids) == 16 for r in spec)
 

@@ -77,7 +77,7 @@ class Drafter:
         return state
 
     def accept(
-        self, key: jax.Array, target_logits: jax.Array, draft: Draft, sampling: SamplingParams
+        self, params, key: jax.Array, target_logits: jax.Array, draft: Draft, sampling: SamplingParams
     ) -> AcceptResult:
         """The acceptance rule the loop applies to this drafter's drafts (`specjax.accept`).
 

@@ -9,7 +9,8 @@ step costs what the real system's step costs while the accepted lengths follow a
 profile. On a chain the conditional acceptance at position j is profile[j] in expectation.
 
 NOT lossless (the accepted tokens are random): measurement only. Use it with EOS ignored so
-rows run to max_new_tokens.
+rows run to max_new_tokens. The profile lives in the drafter's *params* (`forced_params`, a
+`[MAX_DEPTH]` array), so trying another profile never compiles again.
 
 Spec strings (`make_forced`):
   forced:0.9,0.8,0.7   conditional acceptance per position; later positions repeat the last
@@ -34,6 +35,7 @@ from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
 
 PREFIX = "forced"
+MAX_DEPTH = 64  # positions a params profile covers (trees up to this depth)
 
 
 def extend_profile(profile: Sequence[float], depth: int) -> tuple[float, ...]:
@@ -48,9 +50,9 @@ def accept_forced(
     draft: Draft,
     tree: TreeSpec,
     sampling: SamplingParams,
-    conditional: Sequence[float],
+    conditional,
 ) -> AcceptResult:
-    """Acceptance drawn from a per-depth pass probability `conditional` `[Dmax]`.
+    """Acceptance drawn from a per-depth pass probability `conditional` `[>= Dmax]`.
 
     target_logits `[B, 1 + N, V]`, draft.tokens/valid `[B, N]` -> AcceptResult (see types).
     """
@@ -85,27 +87,29 @@ def expected_accepted(tree: TreeSpec, conditional: Sequence[float]) -> float:
     return float(sum(reach[0][1:]))
 
 
+def forced_params(profile: Sequence[float]) -> dict:
+    """The ForcedDrafter's params: {"conditional": f32 `[MAX_DEPTH]`} (profile extended)."""
+    if not profile or any(not 0.0 <= p <= 1.0 for p in profile):
+        raise ValueError(f"forced profile needs values in [0, 1], got {tuple(profile)}")
+    return {"conditional": jnp.asarray(extend_profile(profile, MAX_DEPTH), jnp.float32)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ForcedDrafter(Drafter):
-    """Random draft tokens; acceptance forced to `profile` (see the module docstring)."""
+    """Random draft tokens in [0, vocab_size); acceptance forced to the profile in its params
+    (`forced_params`; see the module docstring)."""
 
-    profile: tuple[float, ...] = (1.0,)
     vocab_size: int = 2
 
     def __post_init__(self):
-        if not self.profile or any(not 0.0 <= p <= 1.0 for p in self.profile):
-            raise ValueError(f"forced profile needs values in [0, 1], got {self.profile}")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.tree.max_depth > MAX_DEPTH:
+            raise ValueError(f"forced drafting supports depths up to {MAX_DEPTH}")
 
     @property
     def name(self) -> str:
         return PREFIX
-
-    @property
-    def conditional(self) -> tuple[float, ...]:
-        """`[Dmax]` pass probability per depth."""
-        return extend_profile(self.profile, self.tree.max_depth)
 
     def check_target(self, target_cfg) -> None:
         if target_cfg.vocab_size < self.vocab_size:
@@ -118,8 +122,8 @@ class ForcedDrafter(Drafter):
         tokens = jax.random.randint(key, shape, 0, self.vocab_size, dtype=jnp.int32)
         return Draft(tokens=tokens, valid=jnp.ones(shape, bool)), state
 
-    def accept(self, key, target_logits, draft, sampling):
-        return accept_forced(key, target_logits, draft, self.tree, sampling, self.conditional)
+    def accept(self, params, key, target_logits, draft, sampling):
+        return accept_forced(key, target_logits, draft, self.tree, sampling, params["conditional"])
 
 
 def profile_from_file(path: str | Path) -> tuple[float, ...]:
@@ -150,7 +154,7 @@ def is_forced(spec: str | None) -> bool:
     return bool(spec) and (spec == PREFIX or spec.startswith(PREFIX + ":"))
 
 
-def make_forced(spec: str, tree: TreeSpec, vocab_size: int) -> ForcedDrafter:
-    """`forced:PROFILE` -> ForcedDrafter drawing tokens from [0, vocab_size)."""
+def make_forced(spec: str, tree: TreeSpec, vocab_size: int) -> tuple[ForcedDrafter, dict]:
+    """`forced:PROFILE` -> (ForcedDrafter drawing tokens from [0, vocab_size), its params)."""
     _, _, text = spec.partition(":")
-    return ForcedDrafter(tree=tree, profile=parse_profile(text or "1.0"), vocab_size=vocab_size)
+    return ForcedDrafter(tree=tree, vocab_size=vocab_size), forced_params(parse_profile(text or "1.0"))

@@ -148,7 +148,7 @@ def _model(arg: str, ctx: DraftContext):
 def _forced(arg: str, ctx: DraftContext):
     from specjax.drafters.forced import make_forced
 
-    return make_forced(f"forced:{arg}", ctx.tree, ctx.target_cfg.vocab_size), None
+    return make_forced(f"forced:{arg}", ctx.tree, ctx.target_cfg.vocab_size)
 
 
 def check_tokenizers(draft, target, label: str) -> None:

@@ -120,7 +120,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
-                   help="ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH")
+                   help="ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "
+                        "eagle3|mtp|medusa|dflash|dspark:DIR (trained or upstream HF folder)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-draft", type=int, default=None, help="chain of D draft tokens")
     group.add_argument("--tree", default=None, help="tree preset name or YAML file")
@@ -235,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "picks the draft shape; its drafter is used when --draft is not given)")
     gen.set_defaults(func=cmd_generate)
     from specjax.cli_measure import add_subcommands
+    from specjax.cli_train import add_subcommands as add_train_subcommands
 
     add_subcommands(sub)
+    add_train_subcommands(sub)
     return parser
 
 

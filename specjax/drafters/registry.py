@@ -8,6 +8,8 @@ Specs (`NAME` or `NAME:ARG`):
     model:NAME_OR_PATH                 a Llama-family draft model with the target's tokenizer,
                                        loaded by `specjax.models.hub.load_model`
     forced:PROFILE                     measurement only, not lossless (`drafters.forced`)
+    eagle3:DIR | mtp:DIR | medusa:DIR  a learned head trained by `specjax train-drafter` (DIR
+    dflash:DIR | dspark:DIR            = its output), or an upstream EAGLE-3 / DFlash HF folder
 
 Other drafters join with `@register("name")` on a factory `(arg, DraftContext) -> (drafter,
 drafter params)`.
@@ -163,3 +165,19 @@ def check_tokenizers(draft, target, label: str) -> None:
             f"draft model {label!r} does not share the target's tokenizer "
             f"({len(ours)} vs {len(theirs)} entries; e.g. {differ})"
         )
+
+
+# ---- learned drafters (`specjax train-drafter` outputs, upstream EAGLE-3 / DFlash folders) ------
+
+
+def _learned(kind: str) -> Factory:
+    def factory(arg: str, ctx: DraftContext):
+        from specjax.drafters.learned import load_learned_drafter
+
+        return load_learned_drafter(kind, arg, ctx.tree, ctx.target_cfg, ctx.target_params)
+
+    return factory
+
+
+for _kind in ("eagle3", "mtp", "medusa", "dflash", "dspark"):
+    register(_kind)(_learned(_kind))

@@ -1,0 +1,181 @@
+"""Sequential feature-level drafters: EAGLE-3 (and MTP, which shares the machinery).
+
+The head keeps its own one-layer KV cache over the committed sequence. Draft entry t is
+computed from (target feature of position t, token t + 1) and predicts token t + 2.
+
+- prefill: ingest the prompt's entries (features of positions 0..P-1, tokens 1..P, where
+  token P is the first sampled token); the output of the last entry gives the root's children.
+- update (after commit): ingest the accepted path's entries: verify rows path[0..n] carry the
+  target features of positions M..M+n, and tokens M+1..M+n+1 are the accepted ones plus the
+  target's next token. The draft cache's committed length mirrors the target cache's.
+- propose: level d of the tree is drafted from the outputs of level d-1's entries; an entry
+  for a depth-d node (position M + d - 1) takes its parent's output as feature and the node's
+  token, and attends to the committed cache plus its ancestors' entries -- the same keys the
+  training-time test (`models.heads.ttt_unroll`) trains with. D levels cost D - 1 layer calls
+  here plus one in update.
+
+Drafter params: `{"head": the head's variables, "target": TargetView.parts(target params)}`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.drafters.base import Drafter
+from specjax.drafters.learned import (
+    accepted_rows,
+    check_head_target,
+    draft_levels,
+    gather_tokens,
+    make_draft,
+    path_log_probs,
+    take_rows,
+)
+from specjax.models.cache import KVCache, write
+from specjax.models.eagle3 import Eagle3Config, Eagle3Model
+from specjax.models.heads import TargetView, attention, causal, prefix_mask
+from specjax.types import Draft
+
+
+@struct.dataclass
+class SequentialState:
+    cache: KVCache  # k, v [1, B, S, KVH, Dh]; lengths [B] = committed draft entries
+    last: jax.Array  # [B, H] output of the last committed entry (predicts the root's child)
+
+
+def head_model(head_cfg):
+    """The Flax module of a sequential head config."""
+    if isinstance(head_cfg, Eagle3Config):
+        return Eagle3Model(head_cfg)
+    from specjax.models.mtp import MTPConfig, MTPModel
+
+    if isinstance(head_cfg, MTPConfig):
+        return MTPModel(head_cfg)
+    raise TypeError(f"not a sequential head config: {type(head_cfg).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialDrafter(Drafter):
+    """EAGLE-3 / MTP drafting over a chain or a static tree.
+
+    min_path_prob: dynamic pruning inside the static node budget -- a node whose path
+      probability under the head (temperature 1) is below it is marked invalid (0 = off).
+    """
+
+    head: Eagle3Config | None = None
+    min_path_prob: float = 0.0
+
+    def __post_init__(self):
+        if self.head is None:
+            raise ValueError(f"{type(self).__name__} needs a head config")
+        if not self.hidden_layers:
+            object.__setattr__(self, "hidden_layers", tuple(self.head.hidden_layers))
+
+    @property
+    def name(self) -> str:
+        return self.head.kind
+
+    def check_target(self, target_cfg) -> None:
+        check_head_target(self.head, target_cfg)
+
+    @property
+    def model(self):
+        return head_model(self.head)
+
+    @property
+    def view(self) -> TargetView:
+        return TargetView(self.head.target)
+
+    # ---- the head's cell -------------------------------------------------------------------
+
+    def _call(self, params, method, *args):
+        return self.model.apply(params["head"], *args, method=method)
+
+    def _features(self, params, target_out) -> jax.Array:
+        """`[B, T, H]` fused features of a target forward's T rows."""
+        return self._call(params, "features", target_out.layer_hidden)
+
+    def _ingest(self, params, state: SequentialState, features, tokens, last_index, new_lengths):
+        """Runs entries (features `[B, T, H]`, next tokens `[B, T]`) at the committed length,
+        writes their K/V, commits `new_lengths` and keeps the output of entry last_index[b]."""
+        cache = state.cache
+        seq = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
+        emb = self.view.embed(params["target"], tokens)
+        q, k, v, residual = self._call(params, "cell_qkv", features, emb, positions)
+        parts = [(cache.k[0], cache.v[0], prefix_mask(cache.lengths, cache.capacity)),
+                 (k, v, causal(seq))]
+        out = self._call(params, "cell_finish", attention(q, parts), residual)
+        cache = write(cache, k[None], v[None]).replace(lengths=new_lengths.astype(jnp.int32))
+        return SequentialState(cache=cache, last=take_rows(out, last_index))
+
+    # ---- Drafter interface -----------------------------------------------------------------
+
+    def init(self, params, batch_size: int, width: int) -> SequentialState:
+        c = self.head.layer
+        shape = (1, batch_size, width, c.num_kv_heads, c.head_dim)
+        return SequentialState(
+            cache=KVCache(k=jnp.zeros(shape, c.jnp_dtype), v=jnp.zeros(shape, c.jnp_dtype),
+                          lengths=jnp.zeros((batch_size,), jnp.int32)),
+            last=jnp.zeros((batch_size, c.hidden_size), c.jnp_dtype),
+        )
+
+    def prefill(self, params, state, decode, target_out):
+        features = self._features(params, target_out)  # [B, P, H]
+        width = features.shape[1]
+        tokens = gather_tokens(decode.tokens, jnp.ones_like(decode.prompt_lens), width)
+        return self._ingest(params, state, features, tokens, decode.prompt_lens - 1,
+                            decode.cache.lengths)
+
+    def update(self, params, state, decode, result, target_out):
+        features = accepted_rows(self._features(params, target_out), result)  # [B, Dmax+1, H]
+        tokens = gather_tokens(decode.tokens, state.cache.lengths + 1, features.shape[1])
+        return self._ingest(params, state, features, tokens, result.num_accepted,
+                            decode.cache.lengths)
+
+    def propose(self, params, state: SequentialState, decode, key, sampling):
+        tree = self.tree
+        cache = state.cache
+        batch = state.last.shape[0]
+        c = self.head.layer
+        node_shape = (batch, tree.num_nodes, c.num_kv_heads, c.head_dim)
+        carry = (jnp.zeros(node_shape, c.jnp_dtype), jnp.zeros(node_shape, c.jnp_dtype),
+                 jnp.zeros((batch, tree.num_nodes, c.hidden_size), c.jnp_dtype))
+        ancestors = np.asarray(tree.node_ancestor_mask)
+
+        def expand(level, tokens, carry):
+            node_k, node_v, node_out = carry
+            nodes = np.asarray(tree.levels[level])
+            parents = np.asarray([tree.parents[i] for i in nodes])
+            feature = (jnp.broadcast_to(state.last[:, None], (batch, len(nodes), c.hidden_size))
+                       if level == 0 else node_out[:, parents])
+            positions = jnp.broadcast_to(cache.lengths[:, None] + level, (batch, len(nodes)))
+            emb = self.view.embed(params["target"], tokens)
+            q, k, v, residual = self._call(params, "cell_qkv", feature, emb, positions)
+            node_k, node_v = node_k.at[:, nodes].set(k), node_v.at[:, nodes].set(v)
+            parts = [(cache.k[0], cache.v[0], prefix_mask(cache.lengths, cache.capacity)),
+                     (node_k, node_v, jnp.asarray(ancestors[nodes])[None])]
+            out = self._call(params, "cell_finish", attention(q, parts), residual)
+            logits = self._call(params, "logits", out, params["target"])
+            return logits, (node_k, node_v, node_out.at[:, nodes].set(out))
+
+        first = self._call(params, "logits", state.last[:, None], params["target"])
+        tokens, valid, probs, logp, _ = draft_levels(tree, first, expand, carry, key, sampling)
+        score = jnp.exp(path_log_probs(logp, tree))
+        return make_draft(tokens, valid, probs, score, self.min_path_prob), state
+
+
+def eagle3_drafter(head: Eagle3Config, tree, min_path_prob: float = 0.0) -> SequentialDrafter:
+    return SequentialDrafter(tree=tree, head=head, min_path_prob=min_path_prob)
+
+
+def drafter_params(head_variables, target_params, head_cfg) -> dict:
+    """The params pytree a learned drafter takes: its own variables + the target's views."""
+    return {"head": head_variables, "target": TargetView(head_cfg.target).parts(target_params)}
+
+
+__all__ = ["Draft", "SequentialDrafter", "SequentialState", "drafter_params", "eagle3_drafter"]

@@ -1,0 +1,123 @@
+"""Training losses of the learned drafters (all math in f32).
+
+Every loss has the signature
+
+    loss(head_cfg, variables, parts, tout, batch, key) -> (scalar loss, {metric: scalar})
+
+variables: the head's `{"params", "consts"}`; parts: the target's frozen views
+(`TargetView.parts`); tout: the frozen target forward over the batch (`target_pass`: logits
+`[B, T, V]`, final hidden `[B, T, H]`, the head's layer_hidden); batch: tokens `[B, T]`,
+lengths `[B]`, prompt_lens `[B]`. A label at position p counts when p holds a response token
+(prompt_len <= p < length).
+
+- EAGLE-3 (`eagle3_loss`): training-time test over `ttt_steps` steps; step k at index t is
+  scored against the target's distribution for token t+k+2 restricted to the draft vocabulary
+  (soft cross-entropy; positions whose target argmax is outside the draft vocabulary are
+  skipped), weighted loss_decay ** k.
+- MTP (`mtp_loss`): the same unroll, hard cross-entropy per depth on the data tokens (the
+  target's own greedy outputs), weights loss_decay ** k.
+- Medusa (`medusa_loss`): head k on the target's final hidden at t predicts token t+k+2.
+- DFlash (`dflash_loss`): blocks at random response anchors, hard cross-entropy per block
+  position with weight exp(-(k-1)/gamma).
+- DSpark (`dspark_loss`): DFlash's block loss + alpha_tv * total variation to the target's
+  distribution + alpha_conf * BCE(confidence, 1 - TV).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cache import init_cache
+from specjax.models.heads import TargetView, shift_left, ttt_unroll
+from specjax.models.llama import forward
+from specjax.train.data import response_mask
+
+
+def target_pass(target_cfg, target_params, tokens: jax.Array, hidden_layers: tuple[int, ...]):
+    """Frozen target forward over whole sequences `[B, T]` (no gradient)."""
+    batch, seq = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    out = forward(target_cfg, target_params, tokens, positions, init_cache(target_cfg, batch, seq),
+                  hidden_layers=hidden_layers)
+    return jax.lax.stop_gradient(out.replace(cache=None))
+
+
+def soft_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """`[...]` -sum p log softmax(logits) over the last axis."""
+    return -jnp.sum(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), -1), axis=-1)
+
+
+def hard_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """`[...]` -log softmax(logits)[label]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def label_mask(batch, offset: int) -> jax.Array:
+    """`[B, T]`: the label at position t + offset is a response token."""
+    mask = response_mask(batch["lengths"], batch["prompt_lens"], batch["tokens"].shape[1])
+    return shift_left(mask, offset, fill=False)
+
+
+def _weighted(per_step: list[jax.Array], decay: float) -> jax.Array:
+    return sum(decay**k * loss for k, loss in enumerate(per_step))
+
+
+# ---- sequential heads ------------------------------------------------------------------------
+
+
+def _unroll(head_cfg, variables, parts, tout, batch):
+    from specjax.drafters.eagle3 import head_model
+
+    model = head_model(head_cfg)
+    view = TargetView(head_cfg.target)
+    features = model.apply(variables, tout.layer_hidden, method="features")
+    outs = ttt_unroll(model, variables, features, lambda t: view.embed(parts, t), batch["tokens"],
+                      head_cfg.ttt_steps)
+    return model, outs
+
+
+def eagle3_loss(head_cfg, variables, parts, tout, batch, key):
+    del key
+    model, outs = _unroll(head_cfg, variables, parts, tout, batch)
+    d2t = variables["consts"]["draft_to_target"]
+    in_draft = jnp.zeros((head_cfg.target.vocab_size,), bool).at[d2t].set(True)
+    losses, metrics = [], {}
+    for k, out in enumerate(outs):
+        logits = model.apply(variables, out, method="draft_logits")  # [B, T, Vd]
+        target_logits = shift_left(tout.logits, k + 1)  # distribution of token t + k + 2
+        target_p = jax.nn.softmax(target_logits[..., d2t], axis=-1)
+        mask = label_mask(batch, k + 2) & in_draft[jnp.argmax(target_logits, -1)]
+        losses.append(masked_mean(soft_cross_entropy(logits, target_p), mask))
+        hit = jnp.argmax(logits, -1) == jnp.argmax(target_p, -1)
+        metrics[f"acc{k}"] = masked_mean(hit, mask)
+    return _weighted(losses, head_cfg.loss_decay), metrics
+
+
+def mtp_loss(head_cfg, variables, parts, tout, batch, key):
+    del key
+    model, outs = _unroll(head_cfg, variables, parts, tout, batch)
+    losses, metrics = [], {}
+    for k, out in enumerate(outs):
+        logits = model.apply(variables, out, parts, method="logits")  # [B, T, V]
+        labels = shift_left(batch["tokens"], k + 2)
+        mask = label_mask(batch, k + 2)
+        losses.append(masked_mean(hard_cross_entropy(logits, labels), mask))
+        metrics[f"acc{k}"] = masked_mean(jnp.argmax(logits, -1) == labels, mask)
+    return _weighted(losses, head_cfg.loss_decay), metrics
+
+
+LOSSES = {"eagle3": eagle3_loss, "mtp": mtp_loss}
+
+
+def loss_fn(head_cfg):
+    """The loss function of a head config (by its `kind`)."""
+    try:
+        return LOSSES[head_cfg.kind]
+    except KeyError:
+        raise ValueError(f"no loss for drafter kind {head_cfg.kind!r}") from None

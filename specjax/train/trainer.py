@@ -1,0 +1,265 @@
+"""Drafter training: optax AdamW + warmup-cosine, one jitted step, orbax checkpoints, resume.
+
+One step = one frozen target forward over a batch of self-distilled sequences (features and
+logits on the fly), the head's loss (`specjax.train.losses`), an AdamW update. The batch and
+the PRNG key of step s are pure functions of (seed, s) (`data.get_batch`, `fold_in`), and the
+whole TrainState (step, params, optimizer state, consts) is checkpointed, so a run killed at
+any point and resumed from its last checkpoint ends with exactly the parameters of an
+uninterrupted run.
+
+Output folder layout:
+
+  OUT/drafter.json        kind, head config, target name, train config, data meta
+  OUT/checkpoints/<step>/ orbax CheckpointManager (keep-last-N, every save_every steps + final)
+  OUT/metrics.jsonl       {"step", "loss", per-step metrics, "tokens", "elapsed_s"} rows
+  OUT/data/               the self-distilled sequences (`data.Sequences` format)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import struct
+from tqdm import tqdm
+
+from specjax.models.heads import TargetView, head_config_from_dict, head_config_to_dict, init_head
+from specjax.train.data import Sequences, get_batch
+from specjax.train.losses import loss_fn, target_pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping knobs (static)."""
+
+    steps: int
+    batch_size: int = 8
+    learning_rate: float = 3e-4
+    warmup_steps: int = 0  # 0: 5% of steps
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps or max(1, self.steps // 20)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping + AdamW on a linear-warmup, cosine-decay schedule."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup,
+        decay_steps=max(tc.steps, tc.warmup + 1), end_value=tc.learning_rate * tc.end_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip),
+        optax.adamw(schedule, weight_decay=tc.weight_decay),
+    )
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # [] int32 steps done
+    params: dict  # trainable head params
+    opt_state: optax.OptState
+    consts: dict  # non-trained head variables (e.g. EAGLE-3's draft_to_target)
+
+    @property
+    def variables(self) -> dict:
+        return {"params": self.params, "consts": self.consts}
+
+
+def init_train_state(head_cfg, tc: TrainConfig, consts: dict | None = None) -> TrainState:
+    """Fresh state: head params from PRNGKey(seed), optimizer state, step 0."""
+    variables = init_head(head_cfg, jax.random.PRNGKey(tc.seed), consts)
+    params = variables["params"]
+    return TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(tc).init(params),
+                      consts=variables.get("consts", {}))
+
+
+@functools.partial(jax.jit, static_argnames=("head_cfg", "tc"))
+def train_step(head_cfg, tc: TrainConfig, state: TrainState, target_params, batch, key):
+    """One optimisation step -> (state, metrics {"loss", ...})."""
+    tout = target_pass(head_cfg.target, target_params, batch["tokens"], head_cfg.hidden_layers)
+    parts = TargetView(head_cfg.target).parts(target_params)
+    loss = loss_fn(head_cfg)
+
+    def objective(params):
+        return loss(head_cfg, {"params": params, "consts": state.consts}, parts, tout, batch, key)
+
+    (value, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return state, {"loss": value, **metrics}
+
+
+def step_key(seed: int, step: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_manager(out_dir: str | Path, tc: TrainConfig) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=tc.keep, save_interval_steps=tc.save_every, create=True,
+    )
+    return ocp.CheckpointManager(Path(out_dir).absolute() / "checkpoints", options=options)
+
+
+def save_state(mngr: ocp.CheckpointManager, state: TrainState, force: bool = False) -> bool:
+    return mngr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                     force=force)
+
+
+def restore_state(mngr: ocp.CheckpointManager, like: TrainState, step: int | None = None) -> TrainState:
+    """The state saved at `step` (default: the latest), with `like`'s tree structure."""
+    step = mngr.latest_step() if step is None else step
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    return restored["state"]
+
+
+def write_description(out_dir: Path, head_cfg, tc: TrainConfig, data_meta: dict) -> None:
+    desc = {"format": "specjax-drafter-v1", "kind": head_cfg.kind,
+            "head": head_config_to_dict(head_cfg), "target": head_cfg.target.name,
+            "train": dataclasses.asdict(tc), "data": data_meta}
+    (out_dir / "drafter.json").write_text(json.dumps(desc, indent=1))
+
+
+def load_trained(folder: str | Path, target_cfg, step: int | None = None):
+    """(head config, head variables) of a folder written by `train`: its latest checkpoint."""
+    folder = Path(folder)
+    desc = json.loads((folder / "drafter.json").read_text())
+    head_cfg = head_config_from_dict(desc["head"], target_cfg)
+    tc = TrainConfig(**desc["train"])
+    mngr = checkpoint_manager(folder, tc)
+    if mngr.latest_step() is None:
+        raise ValueError(f"{folder}: no checkpoint yet")
+    consts = init_head(head_cfg, jax.random.PRNGKey(0))["consts"]
+    like = init_train_state(head_cfg, tc, consts)
+    state = restore_state(mngr, like, step)
+    mngr.close()
+    return head_cfg, state.variables
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------
+
+
+def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: str | Path, *,
+          consts: dict | None = None, resume: bool = False, stop_after: int | None = None,
+          progress: bool = True) -> tuple[TrainState, list[dict]]:
+    """Trains a head for `tc.steps` steps; checkpoints into out_dir; returns (state, log rows).
+
+    resume: continue from the latest checkpoint in out_dir (a fresh start when there is none).
+    stop_after: stop (as if killed) once this many steps are done -- for tests.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mngr = checkpoint_manager(out_dir, tc)
+    state = init_train_state(head_cfg, tc, consts)
+    if resume and mngr.latest_step() is not None:
+        state = restore_state(mngr, state)
+    elif mngr.latest_step() is not None:
+        raise ValueError(f"{out_dir} already holds checkpoints: pass resume=True (--resume) "
+                         "or use an empty folder")
+    write_description(out_dir, head_cfg, tc, data.meta)
+    start = int(state.step)
+    end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+    log: list[dict] = []
+    tokens_done, t0 = 0, time.perf_counter()
+    bar = tqdm(range(start, end), initial=start, total=tc.steps, desc=f"train {head_cfg.kind}",
+               unit="step", file=sys.stderr, disable=not progress)
+    with open(out_dir / "metrics.jsonl", "a") as metrics_file:
+        for step in bar:
+            batch = {k: jnp.asarray(v) for k, v in get_batch(data, tc.batch_size, tc.seed, step).items()}
+            state, metrics = train_step(head_cfg, tc, state, target_params, batch,
+                                        step_key(tc.seed, step))
+            tokens_done += int(np.sum(batch["lengths"]))
+            save_state(mngr, state)
+            if (step + 1) % tc.log_every == 0 or step + 1 == end:
+                row = {"step": step + 1, **{k: float(v) for k, v in jax.device_get(metrics).items()},
+                       "tokens": tokens_done, "elapsed_s": time.perf_counter() - t0}
+                log.append(row)
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+                bar.set_postfix(loss=f"{row['loss']:.4f}",
+                                tok_s=f"{tokens_done / max(row['elapsed_s'], 1e-9):.0f}")
+    bar.close()
+    if int(state.step) == tc.steps and mngr.latest_step() != tc.steps:
+        save_state(mngr, state, force=True)
+    mngr.wait_until_finished()
+    mngr.close()
+    return state, log
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: data from the target, then training (the `specjax train-drafter` command)
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: int,
+                 max_new_tokens: int, temperature: float, seed: int, batch_size: int,
+                 progress: bool = True) -> Sequences:
+    """OUT/data if it exists (a resumed run reuses its data), else the target's continuations
+    of `prompts` (token ids), saved there."""
+    from specjax.train.data import self_distill
+
+    folder = out_dir / "data"
+    if (folder / "meta.json").exists():
+        return Sequences.load(folder)
+    if progress:
+        print(f"self-distillation: {len(prompts)} prompts, {max_new_tokens} new tokens each",
+              file=sys.stderr)
+    data = self_distill(target.cfg, target.params, prompts, max_new_tokens=max_new_tokens,
+                        seq_len=seq_len, temperature=temperature, seed=seed, batch_size=batch_size)
+    data.save(folder)
+    return data
+
+
+def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: TrainConfig, *,
+                  head_options: dict | None = None, resume: bool = False, progress: bool = True):
+    """Builds the head of `kind` for the loaded target (cfg, params) and trains it on `data`.
+
+    On resume the head config comes from OUT/drafter.json (head_options are ignored).
+    EAGLE-3 with a reduced vocabulary takes the data's most frequent response tokens.
+    """
+    from specjax.models.heads import make_head_config
+    from specjax.train.data import draft_vocabulary
+
+    out_dir = Path(out_dir)
+    described = out_dir / "drafter.json"
+    if resume and described.exists():
+        desc = json.loads(described.read_text())
+        if desc["kind"] != kind:
+            raise ValueError(f"{out_dir} holds a {desc['kind']} drafter, not {kind}")
+        head_cfg = head_config_from_dict(desc["head"], target.cfg)
+    else:
+        head_cfg = make_head_config(kind, target.cfg, **(head_options or {}))
+    consts = None
+    if kind == "eagle3" and head_cfg.reduced_vocab:
+        consts = {"draft_to_target": draft_vocabulary(data, target.cfg.vocab_size,
+                                                      head_cfg.draft_vocab_size)}
+    return train(head_cfg, target.params, data, tc, out_dir, consts=consts, resume=resume,
+                 progress=progress)

@@ -157,6 +157,32 @@ def timed_run(model, ids, run: RunConfig, drafter=None, drafter_params=None) -> 
     )
 
 
+def decode_rate(model, ids, run: RunConfig, drafter=None, drafter_params=None, repeats: int = 3) -> dict:
+    """Decode tokens/s by difference: two runs of the SAME compiled program (max_new_tokens and
+    the fewest tokens in its width bucket) cancel prefill and fixed costs exactly.
+
+    Returns {"tokens_per_s", "long_s", "short_s", "tokens", "spec"} (medians over `repeats`;
+    "spec": the long runs' acceptance summary or None; the first pass also compiles, so it is
+    not timed). Meant for runs with ignore_eos (equal token counts).
+    """
+    short = dataclasses.replace(run, max_new_tokens=warm_tokens(run.max_new_tokens))
+    timing: dict[str, list[float]] = {"long": [], "short": []}
+    tokens, spec_rows = {}, []
+    for rep in range(repeats + 1):
+        for name, cfg in (("long", run), ("short", short)):
+            res = generate_batches(model, ids, cfg, drafter, drafter_params, cfg.max_new_tokens)
+            if rep:
+                timing[name].append(sum(res[i].time_s for i in range(0, len(ids), run.batch_size)))
+            tokens[name] = sum(len(r.token_ids) for r in res)
+            if name == "long":
+                spec_rows += [r.spec for r in res if r.spec is not None]
+    long_s, short_s = statistics.median(timing["long"]), statistics.median(timing["short"])
+    extra = tokens["long"] - tokens["short"]
+    return {"tokens_per_s": extra / (long_s - short_s) if long_s > short_s else None,
+            "long_s": long_s, "short_s": short_s, "tokens": extra,
+            "spec": job_summary(spec_rows) if spec_rows else None}
+
+
 def warm_tokens(max_new_tokens: int) -> int:
     """The fewest new tokens whose program has the same shapes as max_new_tokens'."""
     width = bucket(max_new_tokens)

@@ -129,6 +129,7 @@ def cmd_tune(args) -> int:
         draft_lengths=_ints(args.draft_lengths), trees=_names(args.trees),
         calib_batch_size=args.batch_size, profile_repeats=args.profile_repeats,
         step_profile=not args.no_step_profile, check=args.check, sweep=args.sweep, dtype=args.dtype,
+        measure_repeats=args.measure_repeats,
     )
     report = tune(model, encode_rows(model, rows, not args.no_chat), args.draft,
                   _run_config(args, model, args.batch_size), tc, log=_say)
@@ -187,5 +188,7 @@ def add_subcommands(sub) -> None:
     tune.add_argument("--check", type=int, default=3, help="run the best N for real (0: skip)")
     tune.add_argument("--sweep", action="store_true", help="run every candidate for real")
     tune.add_argument("--profile-repeats", type=int, default=5)
+    tune.add_argument("--measure-repeats", type=int, default=2,
+                      help="round-robin passes per measured candidate")
     tune.add_argument("--no-step-profile", action="store_true")
     tune.set_defaults(func=cmd_tune)

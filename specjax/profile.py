@@ -7,7 +7,9 @@
   T_ar(B)         one plain decoding step (forward of 1 token, sample, append)
 
 Each number is the median of `repeats` timed calls after `warmup` untimed ones (compilation is
-excluded), with the donated state chained from call to call as inside the real loop.
+excluded), with the donated state chained from call to call as inside the real loop; the
+timers of one batch size take turns call by call, so a shared machine's drifting load hits
+them alike.
 
 Models: a loaded model (preset, .gguf, HF folder) or a shape-only one, `random:NAME[:LAYERS]`:
 the architecture of `configs/models/shapes/NAME.yaml` with random weights (`init_params`),
@@ -117,20 +119,32 @@ def device_info() -> dict:
     }
 
 
-def median_time(step: Callable, state, *, repeats: int = 5, warmup: int = 2) -> tuple[float, Any]:
-    """Median seconds of `state = step(state)` over `repeats` calls after `warmup` calls.
+Timer = tuple[Callable[[Any], Any], Any]  # (step: state -> state, initial state)
 
-    `step` should donate its state (as the real loop updates in place); the final state is
-    returned so callers can keep chaining.
+
+def interleaved_medians(timers: dict[str, Timer], *, repeats: int = 5, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of `state = step(state)` per timer, timed round-robin.
+
+    Each step should donate its state (as the real loop updates in place). After `warmup`
+    untimed calls each (compilation included there), the timers take turns for `repeats`
+    rounds, so that a machine whose load drifts (shared CPUs) slows all of them alike.
     """
-    for _ in range(warmup):
-        state = jax.block_until_ready(step(state))
-    times = []
+    states = {}
+    for name, (step, state) in timers.items():
+        for _ in range(warmup):
+            state = jax.block_until_ready(step(state))
+        states[name] = state
+    times: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(repeats):
-        start = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), state
+        for name, (step, _) in timers.items():
+            start = time.perf_counter()
+            states[name] = jax.block_until_ready(step(states[name]))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _median(timer: Timer, repeats: int, warmup: int) -> float:
+    return interleaved_medians({"t": timer}, repeats=repeats, warmup=warmup)["t"]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -144,18 +158,21 @@ def _forward_tokens(cfg: ModelConfig, params, tokens, cache):
     return out.cache, jnp.argmax(out.logits, axis=-1)
 
 
-def target_latency(
-    cfg: ModelConfig, params, batch_size: int, num_tokens: int, *, context: int,
-    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
-) -> float:
-    """T_target(B, T) in seconds: forward over T tokens with `context` entries cached."""
+def target_timer(cfg: ModelConfig, params, batch_size: int, num_tokens: int, *, context: int,
+                 capacity: int | None = None) -> Timer:
+    """Timer of T_target(B, T): forward over T tokens with `context` entries cached."""
     capacity = max(capacity or 0, context + num_tokens)
     cache = init_cache(cfg, batch_size, capacity)
     cache = cache.replace(lengths=jnp.full((batch_size,), context, jnp.int32))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, num_tokens), 0, cfg.vocab_size)
-    step = lambda c: _forward_tokens(cfg, params, tokens, c)[0]
-    seconds, _ = median_time(step, cache, repeats=repeats, warmup=warmup)
-    return seconds
+    return (lambda c: _forward_tokens(cfg, params, tokens, c)[0]), cache
+
+
+def target_latency(cfg: ModelConfig, params, batch_size: int, num_tokens: int, *, context: int,
+                   capacity: int | None = None, repeats: int = 5, warmup: int = 2) -> float:
+    """T_target(B, T) in seconds."""
+    timer = target_timer(cfg, params, batch_size, num_tokens, context=context, capacity=capacity)
+    return _median(timer, repeats, warmup)
 
 
 # ---- decode-state fixtures for step / draft timing ------------------------------------------
@@ -180,23 +197,21 @@ def _prefilled_jit(cfg, params, drafter, drafter_params, prompt_tokens, cache, k
     return state, drafter.prefill(drafter_params, dstate, state, out)
 
 
-def _prefilled(cfg, params, drafter, drafter_params, batch_size: int, context: int, width: int):
-    """A running batch right after prefilling `context` prompt tokens (rows never finish):
-    (DecodeState with a `width`-entry buffer and cache, drafter state)."""
-    return _prefilled_jit(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
-                          init_cache(cfg, batch_size, width), jax.random.PRNGKey(3),
-                          SamplingParams.make())
-
-
 def _prompt(cfg: ModelConfig, batch_size: int, context: int) -> jax.Array:
     """`[B, context]` random prompt tokens (repeating a short motif, so n-gram drafters match)."""
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, cfg.vocab_size)
     return jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
 
 
-def _step_width(context: int, num_nodes: int, calls: int, capacity: int | None) -> int:
-    """Buffer/cache width that fits `calls` steps of up to 1 + N tokens after the context."""
-    return max(capacity or 0, context + (calls + 1) * (num_nodes + 1))
+def _prefilled(cfg, params, drafter, drafter_params, batch_size: int, context: int, num_nodes: int,
+               calls: int, capacity: int | None):
+    """A running batch right after prefilling `context` prompt tokens, in a buffer and cache
+    wide enough for `calls` steps of 1 + num_nodes tokens (rows never finish):
+    (DecodeState, drafter state)."""
+    width = max(capacity or 0, context + (calls + 1) * (num_nodes + 1))
+    return _prefilled_jit(cfg, params, drafter, drafter_params, _prompt(cfg, batch_size, context),
+                          init_cache(cfg, batch_size, width), jax.random.PRNGKey(3),
+                          SamplingParams.make())
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
@@ -204,16 +219,12 @@ def _ar_step_jit(cfg, params, state, sampling):
     return ar_step(cfg, params, state, sampling, _no_stop())
 
 
-def ar_step_latency(
-    cfg: ModelConfig, params, batch_size: int, *, context: int, capacity: int | None = None,
-    repeats: int = 5, warmup: int = 2,
-) -> float:
-    """T_ar(B): one plain decoding step (forward of the root, sample, append)."""
+def ar_step_timer(cfg: ModelConfig, params, batch_size: int, *, context: int,
+                  capacity: int | None = None, calls: int = 8) -> Timer:
+    """Timer of T_ar(B): one plain decoding step (forward of the root, sample, append)."""
     sampling = SamplingParams.make()
-    width = _step_width(context, 0, repeats + warmup, capacity)
-    state, _ = _prefilled(cfg, params, None, None, batch_size, context, width)
-    step = lambda s: _ar_step_jit(cfg, params, s, sampling)
-    return median_time(step, state, repeats=repeats, warmup=warmup)[0]
+    state, _ = _prefilled(cfg, params, None, None, batch_size, context, 0, calls, capacity)
+    return (lambda s: _ar_step_jit(cfg, params, s, sampling)), state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("carry",))
@@ -222,19 +233,16 @@ def _spec_step_jit(cfg, params, drafter, drafter_params, carry, sampling):
     return spec_step(cfg, params, drafter, drafter_params, state, dstate, metrics, sampling, _no_stop())
 
 
-def step_latency(
-    cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
-    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
-) -> float:
-    """T_step(B, drafter): one whole speculative step (draft + verify + accept + commit + ...)."""
+def step_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
+               capacity: int | None = None, calls: int = 8) -> Timer:
+    """Timer of T_step(B, drafter): one whole speculative step (draft + verify + accept + ...)."""
     sampling = SamplingParams.make()
     tree = drafter.tree
-    width = _step_width(context, tree.num_nodes, repeats + warmup, capacity)
-    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context, width)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context,
+                               tree.num_nodes, calls, capacity)
     metrics = jax.tree.map(jnp.copy, SpecMetrics.zeros(batch_size, tree.max_depth))  # distinct buffers
-    carry = (state, dstate, metrics)
-    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)
-    return median_time(step, carry, repeats=repeats, warmup=warmup)[0]
+    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)  # noqa: E731
+    return step, (state, dstate, metrics)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
@@ -254,18 +262,32 @@ def _draft_only(drafter, drafter_params, dstate, state, key, sampling, target_ou
     return drafter.update(drafter_params, dstate, state, result, target_out), draft.tokens
 
 
-def draft_latency(
-    cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
-    capacity: int | None = None, repeats: int = 5, warmup: int = 2,
-) -> float:
-    """T_draft(B, drafter): the drafter's propose + update for one step (target excluded)."""
+def draft_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: int, *, context: int,
+                capacity: int | None = None, calls: int = 8) -> Timer:
+    """Timer of T_draft(B, drafter): the drafter's propose + update (target excluded)."""
     sampling = SamplingParams.make()
     key = jax.random.PRNGKey(4)
-    width = _step_width(context, drafter.tree.num_nodes, repeats + warmup, capacity)
-    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context, width)
+    state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context,
+                               drafter.tree.num_nodes, calls, capacity)
     target_out, result = _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling)
-    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]
-    return median_time(step, dstate, repeats=repeats, warmup=warmup)[0]
+    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]  # noqa: E731
+    return step, dstate
+
+
+def step_latency(cfg, params, drafter, drafter_params, batch_size: int, *, context: int,
+                 capacity: int | None = None, repeats: int = 5, warmup: int = 2) -> float:
+    """T_step(B, drafter) in seconds."""
+    timer = step_timer(cfg, params, drafter, drafter_params, batch_size, context=context,
+                       capacity=capacity, calls=repeats + warmup)
+    return _median(timer, repeats, warmup)
+
+
+def draft_latency(cfg, params, drafter, drafter_params, batch_size: int, *, context: int,
+                  capacity: int | None = None, repeats: int = 5, warmup: int = 2) -> float:
+    """T_draft(B, drafter) in seconds."""
+    timer = draft_timer(cfg, params, drafter, drafter_params, batch_size, context=context,
+                        capacity=capacity, calls=repeats + warmup)
+    return _median(timer, repeats, warmup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,21 +354,31 @@ def profile_latency(
     log: Callable[[str], None] | None = None,
 ) -> LatencyProfile:
     """Measures T_target(B, T) for every T in target_tokens, T_ar(B), and for each labelled
-    (drafter, drafter params) T_draft(B, .) and (when `steps`) T_step(B, .)."""
+    (drafter, drafter params) T_draft(B, .) and (when `steps`) T_step(B, .).
+
+    All timers of one batch size are measured round-robin (`interleaved_medians`).
+    """
     cfg, params = model.cfg, model.params
-    timing = dict(context=context, capacity=capacity, repeats=repeats, warmup=warmup)
+    where = dict(context=context, capacity=capacity)
+    calls = repeats + warmup
     prof = LatencyProfile(model=cfg.name, device=device_info(), context=context, capacity=capacity)
     say = log or (lambda _: None)
+    tokens = sorted(set(target_tokens))
     for b in batch_sizes:
-        prof.target[b] = {t: target_latency(cfg, params, b, t, **timing) for t in sorted(set(target_tokens))}
-        prof.ar_step[b] = ar_step_latency(cfg, params, b, **timing)
+        timers: dict[str, Timer] = {f"T{t}": target_timer(cfg, params, b, t, **where) for t in tokens}
+        timers["ar"] = ar_step_timer(cfg, params, b, calls=calls, **where)
+        for label, (drafter, dparams) in (drafters or {}).items():
+            timers[f"draft:{label}"] = draft_timer(cfg, params, drafter, dparams, b, calls=calls, **where)
+            if steps:
+                timers[f"step:{label}"] = step_timer(cfg, params, drafter, dparams, b, calls=calls, **where)
+        got = interleaved_medians(timers, repeats=repeats, warmup=warmup)
+        prof.target[b] = {t: got[f"T{t}"] for t in tokens}
+        prof.ar_step[b] = got["ar"]
+        prof.draft[b] = {k[len("draft:"):]: v for k, v in got.items() if k.startswith("draft:")}
+        prof.step[b] = {k[len("step:"):]: v for k, v in got.items() if k.startswith("step:")}
         say(f"B={b}: T_ar={prof.ar_step[b] * 1e3:.2f} ms, T_target(T)=" + ", ".join(
             f"{t}:{s * 1e3:.2f}" for t, s in prof.target[b].items()) + " ms")
-        prof.draft[b], prof.step[b] = {}, {}
-        for label, (drafter, dparams) in (drafters or {}).items():
-            prof.draft[b][label] = draft_latency(cfg, params, drafter, dparams, b, **timing)
-            if steps:
-                prof.step[b][label] = step_latency(cfg, params, drafter, dparams, b, **timing)
+        for label in drafters or {}:
             say(f"B={b} {label}: T_draft={prof.draft[b][label] * 1e3:.2f} ms" + (
                 f", T_step={prof.step[b][label] * 1e3:.2f} ms" if steps else ""))
     return prof

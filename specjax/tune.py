@@ -260,14 +260,12 @@ def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequ
         else:
             modes[cand.label] = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
     warm_up(model, [ids], run, list(modes.values()))
-    out = {}
-    for label, (drafter, params) in modes.items():
-        rec = timed_run(model, ids, run, drafter, params)
-        for _ in range(repeats - 1):
-            rec.add(timed_run(model, ids, run, drafter, params))
-        stats = mode_stats(rec)
-        out[label] = {"decode_tokens_per_s": stats["decode_tokens_per_s"], "tokens_per_s": stats["tokens_per_s"]}
-    return out
+    records = {label: ModeRecord() for label in modes}
+    for _ in range(repeats):  # round-robin: drifting machine load hits every candidate alike
+        for label, (drafter, params) in modes.items():
+            records[label].add(timed_run(model, ids, run, drafter, params))
+    return {label: {k: mode_stats(rec)[k] for k in ("decode_tokens_per_s", "tokens_per_s")}
+            for label, rec in records.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +284,7 @@ class TuneConfig:
     step_profile: bool = True
     check: int = 3  # measure the best `check` candidates per batch size (0 = no self-check)
     sweep: bool = False  # measure every candidate (to judge the pick)
+    measure_repeats: int = 2  # round-robin passes over the prompts per measured candidate
     dtype: str = "float32"
 
 
@@ -332,7 +331,8 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         measure_top = preds if tc.sweep else preds[: tc.check]
         if measure_top:
             brun = dataclasses.replace(run, batch_size=b)
-            measured = measure_candidates(model, ids, brun, draft_spec, measure_top, tc.dtype)
+            measured = measure_candidates(model, ids, brun, draft_spec, measure_top, tc.dtype,
+                                          tc.measure_repeats)
             for p in preds:
                 p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
             entry["check"] = [

@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specjax.tree import (
-    TreeSpec, available_trees, chain, from_paths, k_ary, load_tree, tree_from_config,
+    TreeSpec,
+    available_trees,
+    chain,
+    from_paths,
+    k_ary,
+    load_tree,
+    tree_from_config,
 )
 
 

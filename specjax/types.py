@@ -19,8 +19,11 @@ class Draft:
     valid: `[B, N]` bool; invalid (padded) nodes are never accepted, and an invalid node's
       descendants are treated as invalid too.
     probs: `[B, N, V]` f32 or None: the (processed, same temperature/top-k/top-p as the target)
-      drafter distribution node i was drawn from, i.e. the drafter's distribution at i's parent.
-      None = deterministic drafter (n-gram, suffix): q is one-hot at the drafted token.
+      drafter distribution node i was drawn from, i.e. the drafter's distribution at i's parent
+      (for siblings sampled without replacement: with the earlier siblings' tokens removed,
+      renormalised; see accept.accept_sampling).
+      None = deterministic drafter (n-gram, suffix, top-k ranks, argmax drafting): q is one-hot
+      at the drafted token.
     """
 
     tokens: jax.Array

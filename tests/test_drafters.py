@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
-
 from conftest import tiny_config
+from scipy import stats
+from specjax.models.llama import forward, init_params
+
 from specjax.accept import accept_sampling
 from specjax.api import generate_ids
 from specjax.drafters.draft_model import DraftModelDrafter, child_tables, draw_children
 from specjax.drafters.registry import make_drafter
-from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams, probabilities
 from specjax.tree import chain, k_ary
 from specjax.types import Draft
@@ -51,7 +51,7 @@ def perturbed(params, scale: float, seed: int):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_params():
     return init_params(CFG, jax.random.PRNGKey(0))
 
@@ -68,21 +68,21 @@ def loader(name: str, dtype: str):
     return types.SimpleNamespace(cfg=cfg, params=params, tokenizer=None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def drafter(spec: str, tree_name: str):
     return make_drafter(spec, tree=TREES[tree_name], target_cfg=CFG, target_params=target_params(),
                         loader=loader)
 
 
-def run(prompts, draft=None, *, max_new=MAX_NEW, eos=()):
+def run(prompts, draft=None, *, max_new=MAX_NEW, eos=(), **sampling):
     d, d_params = draft if draft is not None else (None, None)
     return generate_ids(
         CFG, target_params(), [list(p) for p in prompts], max_new_tokens=max_new,
-        eos_ids=list(eos), batch_size=BATCH, drafter=d, drafter_params=d_params,
+        eos_ids=list(eos), batch_size=BATCH, drafter=d, drafter_params=d_params, **sampling,
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain(prompts, max_new=MAX_NEW, eos=()):
     return [(r.token_ids, r.stop_reason) for r in run(prompts, max_new=max_new, eos=eos)]
 
@@ -111,6 +111,8 @@ def test_greedy_speculative_equals_plain_greedy(spec, tree_name):
     assert any(reason == "eos" for _, reason in with_eos)
     assert outputs(run(PROMPTS, draft, eos=eos)) == with_eos
     assert outputs(run(PROMPTS, draft, max_new=7)) == plain(PROMPTS, max_new=7)
+    sampled = run(PROMPTS, draft, temperature=0.8, top_k=5, top_p=0.9)  # same program
+    assert all(len(r.token_ids) == MAX_NEW for r in sampled)
 
 
 # ---- draft model = target ----------------------------------------------------------------------
@@ -127,13 +129,22 @@ def test_draft_model_equal_to_target_accepts_everything(tree_name):
         assert r.spec["acceptance_length"] >= 0.99 * (depth + 1), r.spec
 
 
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_draft_model_equal_to_target_accepts_everything_when_sampling(tree_name):
+    """q = p (up to float rounding), so min(1, p/q) accepts (nearly) every draft: the draft
+    probabilities reach the acceptance rule aligned with their nodes."""
+    draft = make_drafter("model:self", tree=TREES[tree_name], target_cfg=CFG, loader=loader)
+    for r in run(PROMPTS, draft, temperature=0.8, top_k=5, top_p=0.9):
+        assert r.spec["acceptance_rate"] >= 0.95, r.spec
+
+
 def test_eos_and_max_new_tokens_inside_an_accepted_block():
     """With draft = target every step accepts all D drafts, so the new tokens come as
     [prefill token] + blocks of D + 1 whose first D are accepted drafts: a cut at index k
     (0-based) with (k - 1) % (D + 1) < D falls inside the accepted part of a block."""
     draft = make_drafter("model:self", tree=TREES["chain"], target_cfg=CFG, loader=loader)
     block = TREES["chain"].max_depth + 1
-    inside = lambda k: k >= 1 and (k - 1) % block < block - 1  # noqa: E731
+    inside = lambda k: k >= 1 and (k - 1) % block < block - 1
     row = plain(PROMPTS)[1][0]
     k = next(k for k, t in enumerate(row) if inside(k) and t not in row[:k])
     got = run(PROMPTS, draft, eos=(row[k],))
@@ -275,7 +286,7 @@ def first_three(key, p_logits, q_logits, honest):
     return jnp.stack(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def chi_square_pvalue(honest: bool) -> float:
     k_p, k_q, k_run = jax.random.split(jax.random.PRNGKey(11), 3)
     p_logits, q_logits = (jax.random.normal(k, (V_STAT, V_STAT)) for k in (k_p, k_q))

@@ -72,7 +72,7 @@ class Level:
         return max(self.ranks) + 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tree_levels(tree: TreeSpec) -> tuple[Level, ...]:
     """The tree's levels, depth 1 first."""
     out, previous = [], (0,)
@@ -156,7 +156,7 @@ def _padded(rows, width: int, fill: int) -> np.ndarray:
     return np.asarray([list(r) + [fill] * (width - len(r)) for r in rows], np.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def child_tables(tree: TreeSpec) -> ChildTables:
     levels = tree_levels(tree)
     width = max(len(lv.nodes) for lv in levels)
@@ -168,7 +168,7 @@ def child_tables(tree: TreeSpec) -> ChildTables:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def propose_plan(tree: TreeSpec) -> ProposePlan:
     levels, feeds, children = tree_levels(tree), level_feeds(tree), child_tables(tree)
     depth = np.asarray(tree.depth)
@@ -198,7 +198,7 @@ def propose_plan(tree: TreeSpec) -> ProposePlan:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fed_slots(tree: TreeSpec) -> np.ndarray:
     """`[1 + N]` int32 draft-cache slot of each verify row after propose, relative to
     `num_tokens - 1` (the root's): fed node i sits at 1 + its index among the nodes of depth
@@ -278,7 +278,7 @@ class DraftModelDrafter(Drafter):
 
     def __post_init__(self):
         if not isinstance(self.cfg, ModelConfig):
-            raise ValueError("DraftModelDrafter needs the draft model's ModelConfig (cfg=...)")
+            raise TypeError("DraftModelDrafter needs the draft model's ModelConfig (cfg=...)")
 
     @property
     def name(self) -> str:

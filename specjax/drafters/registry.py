@@ -157,7 +157,7 @@ def check_tokenizers(draft, target, label: str) -> None:
     """Raises ValueError when both tokenizers are known and their vocabularies differ."""
     if draft is None or target is None:
         return
-    vocab = lambda tok: tok.backend.get_vocab(with_added_tokens=True)  # noqa: E731
+    vocab = lambda tok: tok.backend.get_vocab(with_added_tokens=True)
     ours, theirs = vocab(draft), vocab(target)
     if ours != theirs:
         differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]

@@ -81,7 +81,7 @@ class SuffixTable:
     counts: jax.Array
 
     @classmethod
-    def empty(cls, num_slots: int, ways: int) -> "SuffixTable":
+    def empty(cls, num_slots: int, ways: int) -> SuffixTable:
         return cls(
             keys=jnp.zeros((num_slots,), jnp.uint32),
             tokens=jnp.full((num_slots, ways), -1, jnp.int32),
@@ -125,7 +125,7 @@ def insert(table: SuffixTable, slot: jax.Array, fp: jax.Array, token: jax.Array,
     slot = jnp.where(ok, slot, table.num_slots)  # invalid pairs sort last and are dropped
     slot, fp, token = jax.lax.sort((slot, fp, token), num_keys=3)
     idx = jnp.arange(num)
-    prev = lambda x: jnp.concatenate([x[:1], x[:-1]])  # noqa: E731
+    prev = lambda x: jnp.concatenate([x[:1], x[:-1]])
     new_slot = (slot != prev(slot)) | (idx == 0)
     first = new_slot | (fp != prev(fp)) | (token != prev(token))
     group = jnp.cumsum(first) - 1
@@ -178,7 +178,7 @@ def observe(
         slot, fp = context_hash(window, log2_slots)
         slots.append(slot), fps.append(fp), succ.append(nxt)
         oks.append(new & jnp.all(window >= 0, axis=-1))
-    flat = lambda xs: jnp.stack(xs).reshape(-1)  # noqa: E731
+    flat = lambda xs: jnp.stack(xs).reshape(-1)
     return insert(table, flat(slots), flat(fps), flat(succ), flat(oks))
 
 
@@ -290,7 +290,7 @@ class SuffixDrafter(Drafter):
             contexts, path_prob, valid = carry
             parent = contexts[:, t["parent"]]  # [B, C, n]
             tok, found, prob = ranked_successors(state.table, parent, self.orders, tables.num_ranks)
-            pick = lambda x: jnp.take_along_axis(x, t["ranks"][None, :, None], axis=-1)[..., 0]  # noqa: E731
+            pick = lambda x: jnp.take_along_axis(x, t["ranks"][None, :, None], axis=-1)[..., 0]
             tok, prob = pick(tok), path_prob[:, t["parent"]] * pick(prob)
             ok = pick(found) & valid[:, t["parent"]] & (prob >= self.min_prob)
             rows = t["nodes"] + 1  # padding: N + 1, dropped

@@ -364,10 +364,3 @@ class DraftModelDrafter(Drafter):
             v=compact_rows(cache.v, root, slots, width),
         ))
 
-
-def draft_model_drafter(tree: TreeSpec, cfg: ModelConfig, target_cfg: ModelConfig | None = None):
-    """A DraftModelDrafter, checked against the target's config when given."""
-    drafter = DraftModelDrafter(tree=tree, cfg=cfg)
-    if target_cfg is not None:
-        drafter.check_target(target_cfg)
-    return drafter

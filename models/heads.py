@@ -189,12 +189,11 @@ class TargetView:
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """`count` target layer indices spread from layer 1 to layer L-3 (clamped for tiny models);
-    a single layer is the middle one."""
-    last = num_target_layers - 1
+    """`count` target layer indices spread evenly from layer 1 to layer L-3 (upstream DFlash's
+    range; the whole [0, L-1] for targets too shallow for it); one layer = the middle one."""
     if count == 1:
         return (num_target_layers // 2,)
-    start, end = min(1, last), max(min(1, last), num_target_layers - 3)
+    start, end = (1, num_target_layers - 3) if num_target_layers > 4 else (0, num_target_layers - 1)
     return tuple(round(start + i * (end - start) / (count - 1)) for i in range(count))
 
 

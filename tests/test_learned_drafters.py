@@ -51,6 +51,8 @@ TREE = k_ary((2, 2, 1), max_nodes=7)
 #: kind -> head options for the untrained and trained drafters of the tests
 HEAD_OPTIONS = {
     "eagle3": {"ttt_steps": DEPTH},
+    "dflash": {"block_size": DEPTH + 1, "num_anchors": 8},
+    "dspark": {"block_size": DEPTH + 1, "num_anchors": 8},
 }
 KINDS = list(HEAD_OPTIONS)
 
@@ -178,8 +180,11 @@ def toy_sequences(toy):
     return toy_data(cfg, params)
 
 
-TOY_TRAIN = {"eagle3": TrainConfig(steps=120, batch_size=8, learning_rate=3e-3, save_every=1000,
-                                   log_every=10)}
+TOY_TRAIN = {
+    "eagle3": TrainConfig(steps=120, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
+    "dflash": TrainConfig(steps=600, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
+    "dspark": TrainConfig(steps=300, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -244,3 +249,133 @@ def test_ttt_matches_drafter_inference(target):
     first, draft, probs = draft_after_prefill(params, dparams)
     seq = jnp.asarray([prompt + [int(first)] + [int(t) for t in draft]], jnp.int32)
     np.testing.assert_allclose(ttt_probs(params, variables, seq), probs, atol=1e-5)
+
+
+# ---- upstream Hugging Face layouts ---------------------------------------------------------------
+
+UPSTREAM_NAMES = {
+    "eagle3": {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+               "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+               "midlayer.post_attention_layernorm.weight",
+               *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+               *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))},
+    "dflash": {"fc.weight", "hidden_norm.weight", "norm.weight",
+               *(f"layers.{i}.{name}.weight" for i in range(2) for name in (
+                   "input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
+                   "self_attn.k_norm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+                   *(f"mlp.{p}_proj" for p in ("gate", "up", "down"))))},
+}
+
+
+def upstream_head(kind, cfg):
+    if kind == "eagle3":
+        head = make_head_config("eagle3", cfg, draft_vocab_size=12)
+        ids = np.sort(np.random.default_rng(0).choice(VOCAB, 12, replace=False))
+        return head, init_head(head, jax.random.PRNGKey(5), {"draft_to_target": ids})
+    head = make_head_config("dflash", cfg, num_draft_layers=2, block_size=4, mask_token_id=3)
+    return head, init_head(head, jax.random.PRNGKey(5))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_upstream_layout_round_trip(kind, target, tmp_path):
+    from safetensors.numpy import load_file
+    from specjax.models.upstream import load_upstream, save_upstream
+
+    from specjax.drafters.registry import make_drafter
+
+    cfg, params = target
+    head, variables = upstream_head(kind, cfg)
+    folder = save_upstream(head, variables, tmp_path / kind)
+    assert set(load_file(str(folder / "model.safetensors"))) == UPSTREAM_NAMES[kind]
+    head_back, back = load_upstream(kind, folder, cfg)
+    assert head_back == head
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), back, variables))
+    drafter, dparams = make_drafter(f"{kind}:{folder}", tree=chain(DEPTH), target_cfg=cfg,
+                                    target_params=params)
+    assert drafter.head == head and dparams["head"]["params"].keys() == variables["params"].keys()
+
+
+def test_eagle3_upstream_tensors_mean_what_upstream_means(target, tmp_path):
+    """An independent numpy forward of the upstream EAGLE-3 layer, written from its tensors
+    ([out, in] weights, [emb; hidden] concatenation, GQA, rotate-half RoPE), equals ours."""
+    from safetensors.numpy import load_file
+    from specjax.models.upstream import save_upstream
+
+    cfg, _ = target
+    head, variables = upstream_head("eagle3", cfg)
+    w = load_file(str(save_upstream(head, variables, tmp_path / "e3") / "model.safetensors"))
+    c = head.layer
+    rng = np.random.default_rng(0)
+    seq, hidden = 5, cfg.hidden_size
+    feats = [rng.normal(size=(seq, hidden)).astype(np.float32) for _ in range(3)]
+    emb = rng.normal(size=(seq, hidden)).astype(np.float32)
+
+    def rms(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c.rms_norm_eps) * scale
+
+    def rope(x):  # [T, heads, Dh]
+        inv = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim)
+        ang = np.arange(seq)[:, None] * inv[None]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+        half = c.head_dim // 2
+        return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+    h = np.concatenate(feats, -1) @ w["fc.weight"].T
+    a = np.concatenate([rms(emb, w["midlayer.input_layernorm.weight"]),
+                        rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    proj = lambda name, n: (a @ w[f"midlayer.self_attn.{name}_proj.weight"].T).reshape(seq, n, c.head_dim)
+    q, k, v = rope(proj("q", c.num_heads)), rope(proj("k", c.num_kv_heads)), proj("v", c.num_kv_heads)
+    group = c.num_heads // c.num_kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(c.head_dim)
+    scores = np.where(np.tril(np.ones((seq, seq), bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    h = h + np.einsum("hts,shd->thd", probs, v).reshape(seq, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+    h = h + (gate / (1 + np.exp(-gate)) * up) @ w["midlayer.mlp.down_proj.weight"].T
+    want = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [T, Vd]
+
+    from specjax.models.eagle3 import Eagle3Model
+
+    got = Eagle3Model(head).apply(variables, tuple(jnp.asarray(f)[None] for f in feats),
+                                  jnp.asarray(emb)[None], jnp.arange(seq)[None])[0]
+    target_ids = np.arange(12) + w["d2t"]
+    np.testing.assert_allclose(np.asarray(got)[:, target_ids], want, rtol=2e-4, atol=2e-4)
+
+
+def test_dspark_confidence_sets_each_rows_verified_length(target):
+    """Rows verify different numbers of draft tokens: node i is valid iff the product of the
+    confidences along its path >= the threshold (a prefix of the chain)."""
+    from specjax.loop import StopCriteria, init_state, prefill
+
+    cfg, params = target
+    head = make_head_config("dspark", cfg, **HEAD_OPTIONS["dspark"])
+    variables = init_head(head, jax.random.PRNGKey(2))
+    # a confidence that swings with the previous token (through its codebook row)
+    p = variables["params"]
+    kernel = np.zeros(p["confidence"]["kernel"].shape, np.float32)
+    kernel[cfg.hidden_size:, 0] = 400.0
+    variables = {**variables, "params": {**p, "confidence": {"kernel": jnp.asarray(kernel),
+                                                           "bias": jnp.asarray([1.0])}}}
+    drafter = make_learned_drafter(head, chain(DEPTH), confidence_threshold=0.5)
+    dparams = drafter_params(variables, params, head)
+    prompts = jnp.asarray([[t, t + 1, 0, 0] for t in range(8)], jnp.int32)
+    width, sampling = 16, SamplingParams.make(0.0)
+
+    @jax.jit
+    def propose(params, dparams):
+        state = init_state(prompts, jnp.full((8,), 2), jnp.full((8,), 4), init_cache(cfg, 8, width),
+                           jax.random.PRNGKey(0), width)
+        state, out = prefill(cfg, params, state, 4, sampling, StopCriteria.make(), drafter.hidden_layers)
+        dstate = drafter.prefill(dparams, drafter.init(dparams, 8, width), state, out)
+        draft, _ = drafter.propose(dparams, dstate, state, jax.random.PRNGKey(0), sampling)
+        hidden = drafter.block_hidden(dparams, dstate, state.last_token)
+        return draft, drafter.node_confidence(dparams, hidden, draft.tokens, state.last_token)
+
+    draft, conf = propose(params, dparams)
+    want = np.cumprod(np.asarray(conf), axis=1) >= 0.5
+    assert np.array_equal(np.asarray(draft.valid), want)
+    lengths = np.asarray(draft.valid).sum(1)
+    assert len(set(lengths.tolist())) > 1, lengths

@@ -109,10 +109,14 @@ def make_learned_drafter(head_cfg, tree: TreeSpec, **options):
         from specjax.drafters.mtp import MedusaDrafter
 
         return MedusaDrafter(tree=tree, head=head_cfg, **options)
-    if kind in ("dflash", "dspark"):
+    if kind == "dflash":
         from specjax.drafters.dflash import BlockDrafter
 
         return BlockDrafter(tree=tree, head=head_cfg, **options)
+    if kind == "dspark":
+        from specjax.drafters.dspark import DSparkDrafter
+
+        return DSparkDrafter(tree=tree, head=head_cfg, **options)
     raise ValueError(f"unknown learned drafter kind {kind!r}")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from specjax.models.cache import init_cache
 from specjax.models.heads import TargetView, shift_left, ttt_unroll
@@ -112,7 +113,81 @@ def mtp_loss(head_cfg, variables, parts, tout, batch, key):
     return _weighted(losses, head_cfg.loss_decay), metrics
 
 
-LOSSES = {"eagle3": eagle3_loss, "mtp": mtp_loss}
+# ---- block heads -----------------------------------------------------------------------------
+
+
+def sample_anchors(key: jax.Array, batch, num_anchors: int):
+    """Anchors `[B, A]` drawn uniformly without replacement among positions a whose next token
+    is a response token (prompt_len - 1 <= a <= length - 2); keep `[B, A]` is False past a
+    row's number of candidates."""
+    tokens = batch["tokens"]
+    t = jnp.arange(tokens.shape[1])[None, :]
+    ok = (t >= batch["prompt_lens"][:, None] - 1) & (t <= batch["lengths"][:, None] - 2)
+    scores = jnp.where(ok, jax.random.uniform(key, tokens.shape), -1.0)
+    top, anchors = jax.lax.top_k(scores, min(num_anchors, tokens.shape[1]))
+    keep = top >= 0
+    return jnp.where(keep, anchors, 0).astype(jnp.int32), keep
+
+
+def _blocks(head_cfg, variables, parts, tout, batch, key):
+    """(model, anchors, hidden `[B, A, D, H]` of the draft positions, labels `[B, A, D]`,
+    label positions `[B, A, D]`, weights `[B, A, D]`)."""
+    from specjax.models.dflash import anchored_blocks, block_model
+
+    model = block_model(head_cfg)
+    view = TargetView(head_cfg.target)
+    anchors, keep = sample_anchors(key, batch, head_cfg.num_anchors)
+    hidden = anchored_blocks(model, variables, tout.layer_hidden, lambda t: view.embed(parts, t),
+                             batch["tokens"], anchors, keep)[:, :, head_cfg.predict_offset:]
+    depth = jnp.arange(head_cfg.num_draft)
+    label_pos = anchors[..., None] + 1 + depth  # [B, A, D]
+    seq = batch["tokens"].shape[1]
+    labels = jnp.take_along_axis(batch["tokens"][:, None, :], jnp.minimum(label_pos, seq - 1), axis=2)
+    in_response = ((label_pos < batch["lengths"][:, None, None])
+                   & (label_pos >= batch["prompt_lens"][:, None, None]) & keep[..., None])
+    weights = in_response * jnp.exp(-depth / head_cfg.loss_gamma)
+    return model, anchors, hidden, labels, label_pos, weights
+
+
+def _weighted_mean(x, weights):
+    return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+
+
+def _position_metrics(logits, labels, weights) -> dict:
+    hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    mask = weights > 0
+    return {f"acc{j}": masked_mean(hit[..., j], mask[..., j]) for j in range(labels.shape[-1])}
+
+
+def dflash_loss(head_cfg, variables, parts, tout, batch, key):
+    _, _, hidden, labels, _, weights = _blocks(head_cfg, variables, parts, tout, batch, key)
+    logits = TargetView(head_cfg.target).logits(parts, hidden)  # [B, A, D, V]
+    loss = _weighted_mean(hard_cross_entropy(logits, labels), weights)
+    return loss, _position_metrics(logits, labels, weights)
+
+
+def dspark_loss(head_cfg, variables, parts, tout, batch, key):
+    model, anchors, hidden, labels, label_pos, weights = _blocks(
+        head_cfg, variables, parts, tout, batch, key)
+    first = jnp.take_along_axis(batch["tokens"], anchors, axis=1)
+    prev = jnp.concatenate([first[..., None], labels[..., :-1]], axis=-1)  # teacher forcing
+    logits = TargetView(head_cfg.target).logits(parts, hidden)
+    logits = logits + model.apply(variables, hidden, prev, method="transition_bias")
+    seq = batch["tokens"].shape[1]
+    target_logits = jnp.take_along_axis(
+        tout.logits[:, None], jnp.minimum(label_pos - 1, seq - 1)[..., None], axis=2)
+    tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits, -1) - jax.nn.softmax(target_logits, -1)), -1)
+    conf = model.apply(variables, hidden, prev, method="confidence_logit")
+    bce = optax.sigmoid_binary_cross_entropy(conf, jax.lax.stop_gradient(1.0 - tv))
+    ce = _weighted_mean(hard_cross_entropy(logits, labels), weights)
+    tv_mean, bce_mean = _weighted_mean(tv, weights), _weighted_mean(bce, weights)
+    loss = ce + head_cfg.tv_weight * tv_mean + head_cfg.conf_weight * bce_mean
+    metrics = {"ce": ce, "tv": tv_mean, "conf_bce": bce_mean,
+               **_position_metrics(logits, labels, weights)}
+    return loss, metrics
+
+
+LOSSES = {"eagle3": eagle3_loss, "mtp": mtp_loss, "dflash": dflash_loss, "dspark": dspark_loss}
 
 
 def loss_fn(head_cfg):

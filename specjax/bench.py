@@ -349,6 +349,7 @@ def write_plots(report: dict, out_dir: str | os.PathLike) -> list[Path]:
     """PNGs: acceptance per position, throughput and speedup per category, accepted lengths."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -368,6 +369,7 @@ def write_plots(report: dict, out_dir: str | os.PathLike) -> list[Path]:
         axes[1].plot(pos, sec["spec"]["joint_acceptance"], marker="o", label=name, **style)
     for ax, title in zip(axes, ("conditional acceptance", "joint acceptance")):
         ax.set(xlabel="draft position", ylabel=title, ylim=(0, 1.02), title=title)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     paths.append(_save(fig, out_dir / "acceptance_per_position.png"))

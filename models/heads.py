@@ -23,15 +23,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from specjax.models.config import ModelConfig
-from specjax.models.llama import (
-    MLP,
-    RMSNorm,
-    _dense,
-    apply_rope,
-    compute_logits,
-    embed_tokens,
-    rope_tables,
-)
+from specjax.models.llama import MLP, LlamaModel, RMSNorm, _dense, apply_rope, rope_tables
 
 NEG_INF = -1e30
 Params = Any
@@ -174,18 +166,16 @@ class TargetView:
         p = target_params["params"]
         return {"params": {k: p[k] for k in ("embed_tokens", "lm_head", "norm") if k in p}}
 
+    # The target module is built unbound (parent=None), so these also work inside a head's
+    # own Flax methods.
+
     def embed(self, parts: Params, tokens: jax.Array) -> jax.Array:
         """tokens `[...]` -> `[..., H]` target embeddings."""
-        return embed_tokens(self.cfg, parts, tokens)
+        return LlamaModel(self.cfg, parent=None).apply(parts, tokens, method=LlamaModel.embed)
 
     def logits(self, parts: Params, hidden: jax.Array) -> jax.Array:
         """Target LM head on normalised hidden `[..., H]` -> f32 `[..., V]`."""
-        return compute_logits(self.cfg, parts, hidden)
-
-    def final_norm(self, parts: Params, hidden: jax.Array) -> jax.Array:
-        """The target's final RMSNorm on `[..., H]`."""
-        norm = RMSNorm(self.cfg.rms_norm_eps, self.cfg.jnp_dtype)
-        return norm.apply({"params": parts["params"]["norm"]}, hidden)
+        return LlamaModel(self.cfg, parent=None).apply(parts, hidden, method=LlamaModel.logits)
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:

@@ -51,6 +51,8 @@ TREE = k_ary((2, 2, 1), max_nodes=7)
 #: kind -> head options for the untrained and trained drafters of the tests
 HEAD_OPTIONS = {
     "eagle3": {"ttt_steps": DEPTH},
+    "mtp": {"ttt_steps": DEPTH},
+    "medusa": {"num_heads": DEPTH},
     "dflash": {"block_size": DEPTH + 1, "num_anchors": 8},
     "dspark": {"block_size": DEPTH + 1, "num_anchors": 8},
 }
@@ -153,10 +155,12 @@ def sample_first_two(cfg, params, prompt, drafter, dparams, samples):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_sampling_is_lossless(kind, target):
+@pytest.mark.parametrize("kind,tree", [(k, chain(DEPTH)) for k in KINDS]
+                         + [("eagle3", TREE), ("dspark", TREE)],
+                         ids=[f"{k}-chain" for k in KINDS] + ["eagle3-tree", "dspark-tree"])
+def test_sampling_is_lossless(kind, tree, target):
     cfg, params = target
-    drafter, dparams = untrained(kind, cfg, params, chain(DEPTH))
+    drafter, dparams = untrained(kind, cfg, params, tree)
     prompt = PROMPTS[1]
     joint = exact_first_two(cfg, params, prompt, SamplingParams.make(**STAT))
     samples = sample_first_two(cfg, params, prompt, drafter, dparams, SAMPLES)
@@ -182,6 +186,8 @@ def toy_sequences(toy):
 
 TOY_TRAIN = {
     "eagle3": TrainConfig(steps=120, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
+    "mtp": TrainConfig(steps=120, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
+    "medusa": TrainConfig(steps=300, batch_size=8, learning_rate=1e-2, save_every=1000, log_every=10),
     "dflash": TrainConfig(steps=600, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
     "dspark": TrainConfig(steps=300, batch_size=8, learning_rate=3e-3, save_every=1000, log_every=10),
 }
@@ -207,14 +213,15 @@ def test_trained_drafter_on_toy_target(kind, toy, toy_sequences, tmp_path):
 # ---- training-time test == inference -----------------------------------------------------------
 
 
-def test_ttt_matches_drafter_inference(target):
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_ttt_matches_drafter_inference(kind, target):
     """The chain the drafter samples right after prefill (temperature 1), fed back as the
     sequence, gets the same distributions from the training-time-test unroll (step k at the
     last prompt index) as the drafter's Draft.probs."""
     from specjax.loop import StopCriteria, init_state, prefill
 
     cfg, params = target
-    head = make_head_config("eagle3", cfg, ttt_steps=DEPTH)
+    head = make_head_config(kind, cfg, ttt_steps=DEPTH)
     variables = init_head(head, jax.random.PRNGKey(3))
     drafter = make_learned_drafter(head, chain(DEPTH))
     dparams = drafter_params(variables, params, head)

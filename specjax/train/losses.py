@@ -187,7 +187,24 @@ def dspark_loss(head_cfg, variables, parts, tout, batch, key):
     return loss, metrics
 
 
-LOSSES = {"eagle3": eagle3_loss, "mtp": mtp_loss, "dflash": dflash_loss, "dspark": dspark_loss}
+def medusa_loss(head_cfg, variables, parts, tout, batch, key):
+    del key
+    from specjax.models.mtp import MedusaModel
+
+    outs = MedusaModel(head_cfg).apply(variables, tout.hidden)  # [K, B, T, H]
+    view = TargetView(head_cfg.target)
+    losses, metrics = [], {}
+    for k in range(head_cfg.num_heads):
+        logits = view.logits(parts, outs[k])
+        labels = shift_left(batch["tokens"], k + 2)
+        mask = label_mask(batch, k + 2)
+        losses.append(masked_mean(hard_cross_entropy(logits, labels), mask))
+        metrics[f"acc{k}"] = masked_mean(jnp.argmax(logits, -1) == labels, mask)
+    return _weighted(losses, head_cfg.loss_decay), metrics
+
+
+LOSSES = {"eagle3": eagle3_loss, "mtp": mtp_loss, "medusa": medusa_loss, "dflash": dflash_loss,
+          "dspark": dspark_loss}
 
 
 def loss_fn(head_cfg):

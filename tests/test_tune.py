@@ -194,3 +194,24 @@ def test_cli_parses_measurement_commands():
     gen = build_parser().parse_args(["generate", "--prompt", "hi", "--tuned", "s.yaml"])
     assert gen.tuned == "s.yaml"
     assert dataclasses.is_dataclass(Candidate(3)) and Candidate(3).num_nodes == 3
+
+
+def test_measure_candidates_runs_each_shape(tiny_model):
+    """The self-check path (same program shapes as test_bench's e2e, so it reuses compiles)."""
+    from specjax.bench import RunConfig, encode_rows
+    from specjax.datasets import synthetic_rows
+    from specjax.tune import measure_candidates
+
+    cfg, params = tiny_model
+
+    class Model:
+        pass
+
+    model = Model()
+    model.cfg, model.params, model.tokenizer = cfg, params, None
+    ids = encode_rows(model, synthetic_rows(2, 12))
+    run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
+    got = measure_candidates(model, ids, run, "forced:1.0,0.0",
+                             [{"num_draft": 0, "tree": None}, {"num_draft": 2, "tree": None}])
+    assert set(got) == {"0", "2"}
+    assert all(v["tokens_per_s"] > 0 for v in got.values())

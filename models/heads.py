@@ -177,6 +177,16 @@ class TargetView:
         """Target LM head on normalised hidden `[..., H]` -> f32 `[..., V]`."""
         return LlamaModel(self.cfg, parent=None).apply(parts, hidden, method=LlamaModel.logits)
 
+    def logits_subset(self, parts: Params, hidden: jax.Array, ids: jax.Array) -> jax.Array:
+        """The LM head restricted to target ids `[K]`: f32 `[..., K]` (= logits(...)[..., ids]
+        without computing the other V - K columns)."""
+        p = parts["params"]
+        if self.cfg.tie_word_embeddings:
+            weight = p["embed_tokens"]["embedding"][ids].T  # [H, K]
+        else:
+            weight = p["lm_head"]["kernel"][:, ids]
+        return jnp.einsum("...h,hk->...k", hidden.astype(jnp.float32), weight.astype(jnp.float32))
+
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
     """`count` target layer indices spread evenly from layer 1 to layer L-3 (upstream DFlash's

@@ -5,15 +5,15 @@ Every loss has the signature
     loss(head_cfg, variables, parts, tout, batch, key) -> (scalar loss, {metric: scalar})
 
 variables: the head's `{"params", "consts"}`; parts: the target's frozen views
-(`TargetView.parts`); tout: the frozen target forward over the batch (`target_pass`: logits
-`[B, T, V]`, final hidden `[B, T, H]`, the head's layer_hidden); batch: tokens `[B, T]`,
+(`TargetView.parts`); tout: the frozen target forward over the batch (`target_pass`: final
+hidden `[B, T, H]`, the head's layer_hidden; no logits); batch: tokens `[B, T]`,
 lengths `[B]`, prompt_lens `[B]`. A label at position p counts when p holds a response token
 (prompt_len <= p < length).
 
 - EAGLE-3 (`eagle3_loss`): training-time test over `ttt_steps` steps; step k at index t is
   scored against the target's distribution for token t+k+2 restricted to the draft vocabulary
-  (soft cross-entropy; positions whose target argmax is outside the draft vocabulary are
-  skipped), weighted loss_decay ** k.
+  (soft cross-entropy; positions whose target token -- the data's, i.e. the target's own
+  greedy choice -- is outside the draft vocabulary are skipped), weighted loss_decay ** k.
 - MTP (`mtp_loss`): the same unroll, hard cross-entropy per depth on the data tokens (the
   target's own greedy outputs), weights loss_decay ** k.
 - Medusa (`medusa_loss`): head k on the target's final hidden at t predicts token t+k+2.
@@ -35,11 +35,14 @@ from specjax.train.data import response_mask
 
 
 def target_pass(target_cfg, target_params, tokens: jax.Array, hidden_layers: tuple[int, ...]):
-    """Frozen target forward over whole sequences `[B, T]` (no gradient)."""
+    """Frozen target forward over whole sequences `[B, T]` (no gradient): final hidden states
+    and the requested layers' outputs. The full-vocabulary logits are NOT computed (the LM
+    head is a large share of a small target's FLOPs); losses that need the target's
+    distribution project the hidden states they need (`TargetView.logits[_subset]`)."""
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     out = forward(target_cfg, target_params, tokens, positions, init_cache(target_cfg, batch, seq),
-                  hidden_layers=hidden_layers)
+                  hidden_layers=hidden_layers, compute_logits=False)
     return jax.lax.stop_gradient(out.replace(cache=None))
 
 
@@ -88,12 +91,16 @@ def eagle3_loss(head_cfg, variables, parts, tout, batch, key):
     model, outs = _unroll(head_cfg, variables, parts, tout, batch)
     d2t = variables["consts"]["draft_to_target"]
     in_draft = jnp.zeros((head_cfg.target.vocab_size,), bool).at[d2t].set(True)
+    # the target's distribution over the draft vocabulary at every position `[B, T, Vd]`
+    target_d = TargetView(head_cfg.target).logits_subset(parts, tout.hidden, d2t)
     losses, metrics = [], {}
     for k, out in enumerate(outs):
         logits = model.apply(variables, out, method="draft_logits")  # [B, T, Vd]
-        target_logits = shift_left(tout.logits, k + 1)  # distribution of token t + k + 2
-        target_p = jax.nn.softmax(target_logits[..., d2t], axis=-1)
-        mask = label_mask(batch, k + 2) & in_draft[jnp.argmax(target_logits, -1)]
+        target_p = jax.nn.softmax(shift_left(target_d, k + 1), axis=-1)  # token t + k + 2
+        # positions whose target token (the data token: the target's own greedy output) lies
+        # outside the draft vocabulary are skipped, as upstream
+        labels = shift_left(batch["tokens"], k + 2)
+        mask = label_mask(batch, k + 2) & in_draft[labels]
         losses.append(masked_mean(soft_cross_entropy(logits, target_p), mask))
         hit = jnp.argmax(logits, -1) == jnp.argmax(target_p, -1)
         metrics[f"acc{k}"] = masked_mean(hit, mask)
@@ -174,8 +181,9 @@ def dspark_loss(head_cfg, variables, parts, tout, batch, key):
     logits = TargetView(head_cfg.target).logits(parts, hidden)
     logits = logits + model.apply(variables, hidden, prev, method="transition_bias")
     seq = batch["tokens"].shape[1]
-    target_logits = jnp.take_along_axis(
-        tout.logits[:, None], jnp.minimum(label_pos - 1, seq - 1)[..., None], axis=2)
+    target_hidden = jnp.take_along_axis(
+        tout.hidden[:, None], jnp.minimum(label_pos - 1, seq - 1)[..., None], axis=2)
+    target_logits = TargetView(head_cfg.target).logits(parts, target_hidden)  # [B, A, D, V]
     tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits, -1) - jax.nn.softmax(target_logits, -1)), -1)
     conf = model.apply(variables, hidden, prev, method="confidence_logit")
     bce = optax.sigmoid_binary_cross_entropy(conf, jax.lax.stop_gradient(1.0 - tv))

@@ -202,6 +202,19 @@ def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+def sequential_model(head_cfg) -> nn.Module:
+    """The Flax module of a sequential head config (EAGLE-3 or MTP)."""
+    if head_cfg.kind == "eagle3":
+        from specjax.models.eagle3 import Eagle3Model
+
+        return Eagle3Model(head_cfg)
+    if head_cfg.kind == "mtp":
+        from specjax.models.mtp import MTPModel
+
+        return MTPModel(head_cfg)
+    raise ValueError(f"not a sequential head: {head_cfg.kind!r}")
+
+
 def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
     """`x[:, t + k]` along axis 1 (`[B, T, ...]`), `fill` past the end."""
     if k == 0:

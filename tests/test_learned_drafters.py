@@ -30,8 +30,7 @@ from specjax.models.llama import forward, init_params
 from test_accept import chi_square
 
 from specjax.api import generate_ids
-from specjax.drafters.eagle3 import drafter_params
-from specjax.drafters.learned import make_learned_drafter
+from specjax.drafters.learned import drafter_params, make_learned_drafter
 from specjax.metrics import job_summary
 from specjax.sampling import SamplingParams, probabilities
 from specjax.train.data import Sequences, self_distill

@@ -36,26 +36,13 @@ from specjax.drafters.learned import (
     take_rows,
 )
 from specjax.models.cache import KVCache, write
-from specjax.models.eagle3 import Eagle3Config, Eagle3Model
-from specjax.models.heads import TargetView, attention, causal, prefix_mask
-from specjax.types import Draft
+from specjax.models.heads import TargetView, attention, causal, prefix_mask, sequential_model
 
 
 @struct.dataclass
 class SequentialState:
     cache: KVCache  # k, v [1, B, S, KVH, Dh]; lengths [B] = committed draft entries
     last: jax.Array  # [B, H] output of the last committed entry (predicts the root's child)
-
-
-def head_model(head_cfg):
-    """The Flax module of a sequential head config."""
-    if isinstance(head_cfg, Eagle3Config):
-        return Eagle3Model(head_cfg)
-    from specjax.models.mtp import MTPConfig, MTPModel
-
-    if isinstance(head_cfg, MTPConfig):
-        return MTPModel(head_cfg)
-    raise TypeError(f"not a sequential head config: {type(head_cfg).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +53,7 @@ class SequentialDrafter(Drafter):
       probability under the head (temperature 1) is below it is marked invalid (0 = off).
     """
 
-    head: Eagle3Config | None = None
+    head: object = None  # Eagle3Config | MTPConfig
     min_path_prob: float = 0.0
 
     def __post_init__(self):
@@ -84,7 +71,7 @@ class SequentialDrafter(Drafter):
 
     @property
     def model(self):
-        return head_model(self.head)
+        return sequential_model(self.head)
 
     @property
     def view(self) -> TargetView:
@@ -167,15 +154,3 @@ class SequentialDrafter(Drafter):
         tokens, valid, probs, logp, _ = draft_levels(tree, first, expand, carry, key, sampling)
         score = jnp.exp(path_log_probs(logp, tree))
         return make_draft(tokens, valid, probs, score, self.min_path_prob), state
-
-
-def eagle3_drafter(head: Eagle3Config, tree, min_path_prob: float = 0.0) -> SequentialDrafter:
-    return SequentialDrafter(tree=tree, head=head, min_path_prob=min_path_prob)
-
-
-def drafter_params(head_variables, target_params, head_cfg) -> dict:
-    """The params pytree a learned drafter takes: its own variables + the target's views."""
-    return {"head": head_variables, "target": TargetView(head_cfg.target).parts(target_params)}
-
-
-__all__ = ["Draft", "SequentialDrafter", "SequentialState", "drafter_params", "eagle3_drafter"]

@@ -98,6 +98,14 @@ def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
+def drafter_params(head_variables, target_params, head_cfg) -> dict:
+    """The params pytree every learned drafter takes: `{"head": its variables, "target": the
+    target's embedding / norm / LM head (views of target_params, not copies)}`."""
+    from specjax.models.heads import TargetView
+
+    return {"head": head_variables, "target": TargetView(head_cfg.target).parts(target_params)}
+
+
 def make_learned_drafter(head_cfg, tree: TreeSpec, **options):
     """The drafter of a head config (by its kind) over a static tree."""
     kind = head_cfg.kind
@@ -137,8 +145,6 @@ def load_learned_drafter(kind: str, folder: str, tree: TreeSpec, target_cfg, tar
     output (drafter.json + orbax checkpoints; latest step) or, for eagle3 / dflash, an upstream
     Hugging Face folder (config.json + *.safetensors)."""
     from pathlib import Path
-
-    from specjax.drafters.eagle3 import drafter_params
 
     path = Path(folder)
     if not folder or not path.is_dir():

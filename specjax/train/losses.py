@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from specjax.models.cache import init_cache
-from specjax.models.heads import TargetView, shift_left, ttt_unroll
+from specjax.models.heads import TargetView, sequential_model, shift_left, ttt_unroll
 from specjax.models.llama import forward
 from specjax.train.data import response_mask
 
@@ -76,9 +76,7 @@ def _weighted(per_step: list[jax.Array], decay: float) -> jax.Array:
 
 
 def _unroll(head_cfg, variables, parts, tout, batch):
-    from specjax.drafters.eagle3 import head_model
-
-    model = head_model(head_cfg)
+    model = sequential_model(head_cfg)
     view = TargetView(head_cfg.target)
     features = model.apply(variables, tout.layer_hidden, method="features")
     outs = ttt_unroll(model, variables, features, lambda t: view.embed(parts, t), batch["tokens"],

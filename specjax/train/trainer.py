@@ -239,7 +239,8 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
 
 
 def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: TrainConfig, *,
-                  head_options: dict | None = None, resume: bool = False, progress: bool = True):
+                  head_options: dict | None = None, resume: bool = False, progress: bool = True,
+                  stop_after: int | None = None):
     """Builds the head of `kind` for the loaded target (cfg, params) and trains it on `data`.
 
     On resume the head config comes from OUT/drafter.json (head_options are ignored).
@@ -262,4 +263,4 @@ def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: T
         consts = {"draft_to_target": draft_vocabulary(data, target.cfg.vocab_size,
                                                       head_cfg.draft_vocab_size)}
     return train(head_cfg, target.params, data, tc, out_dir, consts=consts, resume=resume,
-                 progress=progress)
+                 progress=progress, stop_after=stop_after)

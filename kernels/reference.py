@@ -37,12 +37,19 @@ def verify_attention_reference(
     """
     num_kv_heads = k_new.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qg = rearrange(q, "b t (kh g) d -> b kh g t d", kh=num_kv_heads).astype(jnp.float32) * scale
-    prefix_scores = jnp.einsum("bhgtd,bshd->bhgts", qg, k_cache.astype(jnp.float32))
-    new_scores = jnp.einsum("bhgtd,bshd->bhgts", qg, k_new.astype(jnp.float32))
+    # The G query heads of a KV head times the T tokens form R = G*T rows (row r = g*T + t), so
+    # both products are plain batched matmuls over (b, kv head) straight from the cache layout.
+    rows = rearrange(q.astype(jnp.float32) * scale, "b t (kh g) d -> b kh (g t) d", kh=num_kv_heads)
+
+    def dot(spec, x, y):  # inputs in the cache dtype, f32 accumulation
+        return jnp.einsum(spec, x.astype(y.dtype), y, preferred_element_type=jnp.float32)
+
+    prefix_scores = dot("bhrd,bshd->bhrs", rows, k_cache)  # [B, KVH, R, S]
+    new_scores = dot("bhrd,bthd->bhrt", rows, k_new)  # [B, KVH, R, T]
     in_prefix = jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]  # [B, S]
-    prefix_scores = jnp.where(in_prefix[:, None, None, None, :], prefix_scores, NEG_INF)
-    new_scores = jnp.where(tree_mask[:, None, None, :, :], new_scores, NEG_INF)
+    row_mask = jnp.tile(tree_mask, (1, q.shape[2] // num_kv_heads, 1))  # [B, R, T]
+    prefix_scores = jnp.where(in_prefix[:, None, None, :], prefix_scores, NEG_INF)
+    new_scores = jnp.where(row_mask[:, None, :, :], new_scores, NEG_INF)
     # One softmax over [prefix | new] without materialising a concatenated K/V.
     row_max = jnp.maximum(
         jnp.max(prefix_scores, axis=-1, keepdims=True), jnp.max(new_scores, axis=-1, keepdims=True)
@@ -50,8 +57,6 @@ def verify_attention_reference(
     prefix_w = jnp.where(prefix_scores > NEG_INF / 2, jnp.exp(prefix_scores - row_max), 0.0)
     new_w = jnp.where(new_scores > NEG_INF / 2, jnp.exp(new_scores - row_max), 0.0)
     denom = jnp.sum(prefix_w, axis=-1, keepdims=True) + jnp.sum(new_w, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgts,bshd->bthgd", prefix_w, v_cache.astype(jnp.float32))
-    out = out + jnp.einsum("bhgts,bshd->bthgd", new_w, v_new.astype(jnp.float32))
-    denom = rearrange(denom, "b h g t 1 -> b t h g 1")
+    out = dot("bhrs,bshd->bhrd", prefix_w, v_cache) + dot("bhrt,bthd->bhrd", new_w, v_new)
     out = out / jnp.where(denom > 0, denom, 1.0)
-    return rearrange(out, "b t h g d -> b t (h g) d").astype(q.dtype)
+    return rearrange(out, "b kh (g t) d -> b t (kh g) d", t=q.shape[1]).astype(q.dtype)

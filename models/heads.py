@@ -318,6 +318,29 @@ def head_config_from_dict(d: dict, target: ModelConfig):
     return cls(**kwargs)
 
 
+def init_from_target(head_cfg, variables, target_params):
+    """Variables whose output side starts from the target's: the output norm of heads that
+    feed the target's LM head (MTP, DFlash, DSpark), and EAGLE-3's norm + draft LM head (the
+    target head's rows of the draft vocabulary). The norm keeps the target's per-dimension
+    profile, rescaled so a random unit-RMS hidden state gives logits of std ~1 (an untrained
+    head then predicts a near-uniform distribution instead of a confidently wrong one)."""
+    target = head_cfg.target
+    p = target_params["params"]
+    params = dict(variables["params"])
+    head_weight = p["embed_tokens"]["embedding"].T if target.tie_word_embeddings else p["lm_head"]["kernel"]
+    if head_cfg.kind == "eagle3":
+        head_weight = head_weight[:, variables["consts"]["draft_to_target"]]
+        params["lm_head"] = {"kernel": jnp.asarray(head_weight, params["lm_head"]["kernel"].dtype)}
+    scale = jnp.asarray(p["norm"]["scale"], jnp.float32)
+    spread = jnp.sqrt(jnp.sum(scale**2 * jnp.mean(jnp.asarray(head_weight, jnp.float32) ** 2, axis=1)))
+    norm = {"scale": (scale / jnp.maximum(spread, 1e-6)).astype(p["norm"]["scale"].dtype)}
+    if head_cfg.kind in ("dflash", "dspark", "eagle3"):
+        params["norm"] = norm
+    elif head_cfg.kind == "mtp":
+        params["shared_norm"] = norm
+    return {**variables, "params": params}
+
+
 def init_head(head_cfg, key: jax.Array, consts: dict | None = None):
     """Random variables `{"params", "consts"}` of any head config (consts: overrides)."""
     if head_cfg.kind == "eagle3":

@@ -31,6 +31,7 @@ from test_accept import chi_square
 
 from specjax.api import generate_ids
 from specjax.drafters.learned import drafter_params, make_learned_drafter
+from specjax.drafters.registry import make_drafter
 from specjax.metrics import job_summary
 from specjax.sampling import SamplingParams, probabilities
 from specjax.train.data import Sequences, self_distill
@@ -199,12 +200,15 @@ def test_trained_drafter_on_toy_target(kind, toy, toy_sequences, tmp_path):
     follows = data.tokens[0, data.prompt_lens[0]: data.lengths[0]]
     assert all(perm[a] == b for a, b in itertools.pairwise(follows)), "toy target is not perm"
     head = make_head_config(kind, cfg, **HEAD_OPTIONS[kind])
-    state, log = train(head, params, data, TOY_TRAIN[kind], tmp_path, progress=False)
+    _, log = train(head, params, data, TOY_TRAIN[kind], tmp_path, progress=False)
     assert log[-1]["loss"] < 0.5 * log[0]["loss"], log
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, VOCAB, size=n)) for n in (3, 6, 9, 12)]
-    drafter = make_learned_drafter(head, chain(DEPTH))
-    res = run(cfg, params, prompts, drafter, drafter_params(state.variables, params, head))
+    # load it back the way `--draft KIND:DIR` does (drafter.json + the latest checkpoint)
+    drafter, dparams = make_drafter(f"{kind}:{tmp_path}", tree=chain(DEPTH), target_cfg=cfg,
+                                    target_params=params)
+    assert drafter == make_learned_drafter(head, chain(DEPTH))
+    res = run(cfg, params, prompts, drafter, dparams)
     al = job_summary([r.spec for r in res])["acceptance_length"]
     assert al >= 0.9 * (DEPTH + 1), (al, log[-1])
 

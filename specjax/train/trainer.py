@@ -31,7 +31,13 @@ import orbax.checkpoint as ocp
 from flax import struct
 from tqdm import tqdm
 
-from specjax.models.heads import TargetView, head_config_from_dict, head_config_to_dict, init_head
+from specjax.models.heads import (
+    TargetView,
+    head_config_from_dict,
+    head_config_to_dict,
+    init_from_target,
+    init_head,
+)
 from specjax.train.data import Sequences, get_batch
 from specjax.train.losses import loss_fn, target_pass
 
@@ -85,9 +91,13 @@ class TrainState:
         return {"params": self.params, "consts": self.consts}
 
 
-def init_train_state(head_cfg, tc: TrainConfig, consts: dict | None = None) -> TrainState:
-    """Fresh state: head params from PRNGKey(seed), optimizer state, step 0."""
+def init_train_state(head_cfg, tc: TrainConfig, consts: dict | None = None,
+                     target_params=None) -> TrainState:
+    """Fresh state: head params from PRNGKey(seed) (the LM-head-side pieces from the target's
+    when target_params is given, `heads.init_from_target`), optimizer state, step 0."""
     variables = init_head(head_cfg, jax.random.PRNGKey(tc.seed), consts)
+    if target_params is not None:
+        variables = init_from_target(head_cfg, variables, target_params)
     params = variables["params"]
     return TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(tc).init(params),
                       consts=variables.get("consts", {}))
@@ -178,7 +188,7 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mngr = checkpoint_manager(out_dir, tc)
-    state = init_train_state(head_cfg, tc, consts)
+    state = init_train_state(head_cfg, tc, consts, target_params)
     if resume and mngr.latest_step() is not None:
         state = restore_state(mngr, state)
     elif mngr.latest_step() is not None:

@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from specjax.models.cache import init_cache
-from specjax.models.heads import TargetView, init_head, make_head_config, ttt_unroll
-from specjax.models.llama import forward, init_params
 from test_accept import chi_square
 
 from specjax.api import generate_ids
 from specjax.drafters.learned import drafter_params, make_learned_drafter
 from specjax.drafters.registry import make_drafter
 from specjax.metrics import job_summary
+from specjax.models.cache import init_cache
+from specjax.models.heads import TargetView, init_head, make_head_config, ttt_unroll
+from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams, probabilities
 from specjax.train.data import Sequences, self_distill
 from specjax.train.trainer import TrainConfig, train
@@ -289,9 +289,9 @@ def upstream_head(kind, cfg):
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_upstream_layout_round_trip(kind, target, tmp_path):
     from safetensors.numpy import load_file
-    from specjax.models.upstream import load_upstream, save_upstream
 
     from specjax.drafters.registry import make_drafter
+    from specjax.models.upstream import load_upstream, save_upstream
 
     cfg, params = target
     head, variables = upstream_head(kind, cfg)
@@ -309,6 +309,7 @@ def test_eagle3_upstream_tensors_mean_what_upstream_means(target, tmp_path):
     """An independent numpy forward of the upstream EAGLE-3 layer, written from its tensors
     ([out, in] weights, [emb; hidden] concatenation, GQA, rotate-half RoPE), equals ours."""
     from safetensors.numpy import load_file
+
     from specjax.models.upstream import save_upstream
 
     cfg, _ = target

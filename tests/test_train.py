@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
+
 from specjax.models.heads import make_head_config
 from specjax.models.llama import init_params
-
 from specjax.train.data import Sequences, batch_indices, draft_vocabulary, get_batch, response_mask
 from specjax.train.trainer import (
     TrainConfig,
@@ -105,8 +105,8 @@ def test_killed_and_resumed_run_equals_uninterrupted(setup, tmp_path):
 
 
 def test_cli_train_drafter_then_generate_with_it(tmp_path):
-    """`specjax train-drafter` on a tiny HF checkpoint, resumed, then `generate --draft
-    eagle3:OUT` reproduces plain greedy output."""
+    """`specjax train-drafter` on a tiny HF checkpoint (then refused / resumed on the same
+    OUT), then `generate --draft eagle3:OUT` reproduces plain greedy output."""
     import json
 
     from test_load import tiny_vocab, write_hf
@@ -121,10 +121,13 @@ def test_cli_train_drafter_then_generate_with_it(tmp_path):
     common = ["train-drafter", "--target", model_dir, "--kind", "eagle3", "--prompts", str(prompts),
               "--batch-size", "2", "--out", str(out), "--seq-len", "48", "--max-new-tokens", "8",
               "--depth", "2", "--draft-vocab", "40", "--save-every", "2", "--gen-batch-size", "4"]
-    assert main([*common, "--steps", "2"]) == 0
-    assert main([*common, "--steps", "4", "--resume"]) == 0
+    assert main([*common, "--steps", "4"]) == 0
+    assert main([*common, "--steps", "4"]) == 2  # OUT holds checkpoints: needs --resume
+    assert main([*common, "--steps", "4", "--resume"]) == 0  # already done: nothing to run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 4]
+    assert [r["step"] for r in rows] == [4]
+    kept = {int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()}
+    assert {2, 4} <= kept and max(kept) == 4
     gen = ["generate", "--model", model_dir, "--prompts", str(prompts), "--max-new-tokens", "6",
            "--batch-size", "4"]
     assert main([*gen, "--out", str(tmp_path / "plain.jsonl")]) == 0

@@ -119,7 +119,8 @@ class SequentialDrafter(Drafter):
                             decode.cache.lengths)
 
     def update(self, params, state, decode, result, target_out):
-        features = accepted_rows(self._features(params, target_out), result)  # [B, Dmax+1, H]
+        rows = tuple(accepted_rows(h, result) for h in target_out.layer_hidden)
+        features = self._call(params, "features", rows)  # [B, Dmax + 1, H]
         tokens = gather_tokens(decode.tokens, state.cache.lengths + 1, features.shape[1])
         return self._ingest(params, state, features, tokens, result.num_accepted,
                             decode.cache.lengths)

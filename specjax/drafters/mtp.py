@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.drafters.base import Drafter
@@ -51,8 +52,6 @@ class MedusaDrafter(Drafter):
         check_head_target(self.head, target_cfg)
 
     def init(self, params, batch_size: int, width: int) -> MedusaState:
-        import jax.numpy as jnp
-
         t = self.head.target
         return MedusaState(hidden=jnp.zeros((batch_size, t.hidden_size), t.jnp_dtype))
 

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import ast
 import importlib
-import pkgutil
+import subprocess
 import sys
 from pathlib import Path
-
-import specjax
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +33,15 @@ def test_no_source_file_imports_top_level_models_or_kernels():
     assert not offenders, offenders
 
 
-def test_every_module_imports_under_its_package_name():
-    import specjax.kernels
-    import specjax.models
-
-    for package in (specjax, specjax.models, specjax.kernels):
-        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            importlib.import_module(info.name)
-    assert "models" not in sys.modules and "kernels" not in sys.modules
+def test_every_module_imports_under_its_package_name(tmp_path):
+    """In a fresh interpreter outside the checkout (so the repo root is not on sys.path)."""
+    script = """
+import importlib, pkgutil, sys
+import specjax, specjax.models, specjax.kernels
+for package in (specjax, specjax.models, specjax.kernels):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+clash = sorted(m for m in sys.modules if m.split(".")[0] in ("models", "kernels"))
+assert not clash, clash
+"""
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)

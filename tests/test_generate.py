@@ -14,11 +14,17 @@ from specjax.models.llama import forward
 
 def naive_greedy(cfg, params, prompt, steps):
     """Full recompute every step, no cache reuse: the simplest possible reference."""
+    width = 64
+
+    @jax.jit
+    def next_token(tokens, length):  # tokens [1, width] right-padded; the last real one at length-1
+        out = forward(cfg, params, tokens, jnp.arange(width)[None], init_cache(cfg, 1, width))
+        return jnp.argmax(out.logits[0, length - 1])
+
     seq = list(prompt)
     for _ in range(steps):
-        tokens = jnp.asarray([seq], jnp.int32)
-        out = forward(cfg, params, tokens, jnp.arange(len(seq))[None], init_cache(cfg, 1, len(seq)))
-        seq.append(int(jnp.argmax(out.logits[0, -1])))
+        padded = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        seq.append(int(next_token(padded, len(seq))))
     return seq[len(prompt):]
 
 

@@ -146,7 +146,7 @@ def run_batch(
     return results, drafter_carry
 
 
-def generate_ids(
+def iter_generate_ids(
     cfg: ModelConfig,
     params,
     prompts: Sequence[Sequence[int]],
@@ -163,33 +163,42 @@ def generate_ids(
     drafter=None,
     drafter_params=None,
     schedule=None,
-) -> list[TokenResult]:
-    """Generates from token-id prompts; one result per prompt, in order.
+    labels: Sequence[str] | None = None,
+    model=None,
+    dtype: str = "float32",
+) -> Iterator[tuple[int, list[TokenResult]]]:
+    """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
 
     Prompts are processed in batches of `batch_size` rows (default: all at once, rounded to a
     bucket); each batch is one jitted prefill+decode program, speculative when a drafter
-    (`specjax.drafters`) is given. schedule: a `specjax.schedule.Schedule` (or its YAML path)
-    whose bucket for `batch_size` sets the drafter's draft shape (0 = no speculation).
+    (`specjax.drafters`) is given; a drafter's job-level state is carried across batches.
+    schedule: a `specjax.schedule.Schedule` (or its YAML path) whose bucket for `batch_size`
+    sets the drafter's draft shape (0 = no speculation); with drafter=None the schedule's own
+    drafter spec is built for `model`. labels name the prompts in errors.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     max_len = max_len or cfg.max_position_embeddings
-    validate_prompts(prompts, cfg.vocab_size, max_new_tokens, max_len)
+    validate_prompts(prompts, cfg.vocab_size, max_new_tokens, max_len, labels)
     sampling = SamplingParams.make(temperature, top_k, top_p)
     criteria = StopCriteria.make(cfg.eos_token_ids if eos_ids is None else eos_ids, stop_token_seqs)
     batch_size = batch_size or bucket(len(prompts), minimum=1)
-    drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size)
-    results: list[TokenResult] = []
+    drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for start, chunk in batches(prompts, batch_size):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
-        batch_results, carry = run_batch(
+        results, carry = run_batch(
             cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
             criteria=criteria, key=key, batch_size=batch_size, drafter=drafter,
             drafter_params=drafter_params, drafter_carry=carry,
         )
-        results += batch_results
-    return results
+        yield start, results
+
+
+def generate_ids(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], **kwargs) -> list[TokenResult]:
+    """Generates from token-id prompts; one TokenResult per prompt, in order (see
+    `iter_generate_ids` for the options)."""
+    return [r for _, batch in iter_generate_ids(cfg, params, prompts, **kwargs) for r in batch]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,19 +271,13 @@ def iter_generate(
         if not text or not text.strip():
             raise PromptError(f"{labels[i]} is empty: nothing to condition on")
     ids = [tokenizer.encode_chat(p) if chat else tokenizer.encode(p) for p in prompts]
-    max_len = max_len or cfg.max_position_embeddings
-    validate_prompts(ids, cfg.vocab_size, max_new_tokens, max_len, labels)
-    sampling = SamplingParams.make(temperature, top_k, top_p)
-    criteria = StopCriteria.make(eos_ids, tokenizer.stop_sequences(stops))
-    draft, drafter_params = scheduled(draft, drafter_params, schedule, batch_size, model, dtype)
-    carry = () if draft is None else draft.init_carry(drafter_params)
-    for start, chunk in batches(ids, batch_size):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
-        results, carry = run_batch(
-            cfg, params, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
-            criteria=criteria, key=key, batch_size=batch_size, drafter=draft,
-            drafter_params=drafter_params, drafter_carry=carry,
-        )
+    batches_of_results = iter_generate_ids(
+        cfg, params, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, eos_ids=eos_ids, stop_token_seqs=tokenizer.stop_sequences(stops),
+        batch_size=batch_size, max_len=max_len, drafter=draft, drafter_params=drafter_params,
+        schedule=schedule, labels=labels, model=model, dtype=dtype,
+    )
+    for start, results in batches_of_results:
         out = []
         for j, res in enumerate(results):
             text, token_ids, reason = truncate_at_stop(tokenizer, res.token_ids, res.stop_reason, stops, eos_ids)
@@ -290,7 +293,5 @@ def generate(model, prompts: str | Sequence[str], **kwargs) -> list[Generation]:
 
     >>> generate("smollm2-135m", ["Name three primes."], max_new_tokens=32)
     """
-    single = isinstance(prompts, str)
-    prompts = [prompts] if single else list(prompts)
-    results = [g for _, batch in iter_generate(model, prompts, **kwargs) for g in batch]
-    return results
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    return [g for _, batch in iter_generate(model, prompts, **kwargs) for g in batch]

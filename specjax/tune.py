@@ -256,9 +256,13 @@ def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequ
             modes[cand.label] = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
     warm_up(model, [ids], run, list(modes.values()))
     records = {label: ModeRecord() for label in modes}
-    for _ in range(repeats):  # round-robin: drifting machine load hits every candidate alike
-        for label, (drafter, params) in modes.items():
-            records[label].add(timed_run(model, ids, run, drafter, params))
+    order = list(modes.items())
+    for rep in range(repeats):  # round-robin per batch: drifting load hits every candidate alike
+        for start in range(0, len(ids), run.batch_size):
+            chunk = ids[start : start + run.batch_size]
+            turn = rep * len(ids) + start
+            for label, (drafter, params) in order[turn % len(order):] + order[: turn % len(order)]:
+                records[label].add(timed_run(model, chunk, run, drafter, params))
     return {label: {k: mode_stats(rec)[k] for k in ("decode_tokens_per_s", "tokens_per_s")}
             for label, rec in records.items()}
 
@@ -332,7 +336,8 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
                 p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
             entry["check"] = [
                 {"label": p["label"], "predicted_tps": p["predicted_tps"],
-                 "predicted_tps_step": p["predicted_tps_step"], "measured_tps": p["measured_tps"]}
+                 "predicted_tps_step": p["predicted_tps_step"], "measured_tps": p["measured_tps"],
+                 "measured_over_predicted": (p["measured_tps"] or 0.0) / p["rank_tps"]}
                 for p in preds[: tc.check]
             ]
             if tc.sweep:

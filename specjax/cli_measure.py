@@ -132,7 +132,7 @@ def cmd_tune(args) -> int:
         measure_repeats=args.measure_repeats,
     )
     report = tune(model, encode_rows(model, rows, not args.no_chat), args.draft,
-                  _run_config(args, model, args.batch_size), tc, log=_say)
+                  _run_config(args, model, args.batch_size), tc, log=_say, model_name=args.model)
     report["command"] = sys.argv
     schedule = Schedule.from_dict(report["schedule"])
     for b in schedule.buckets:

@@ -288,8 +288,10 @@ class TuneConfig:
 
 
 def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConfig, tc: TuneConfig,
-         log: Callable[[str], None] = lambda _: None) -> dict:
-    """Calibrate, profile, predict, check; returns the report (schedule in report["schedule"])."""
+         log: Callable[[str], None] = lambda _: None, model_name: str | None = None) -> dict:
+    """Calibrate, profile, predict, check; returns the report (schedule in report["schedule"]).
+
+    model_name: how the schedule names the model (default: its config's name)."""
     ids = [list(p) for p in rows_ids]
     cands = [Candidate(d) for d in (tc.draft_lengths or draft_grid(tc.max_draft))]
     cands += [Candidate(tree=t) for t in tc.trees]
@@ -356,7 +358,7 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         ))
         for line in format_batch(b, entry, report["analytic"]):
             log(line)
-    report["schedule"] = Schedule(tuple(buckets), model=model.cfg.name, draft=draft_spec,
+    report["schedule"] = Schedule(tuple(buckets), model=model_name or model.cfg.name, draft=draft_spec,
                                   device=prof.device["device_kind"]).to_dict()
     return report
 

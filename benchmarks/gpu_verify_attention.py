@@ -31,12 +31,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from specjax.kernels.reference import verify_attention_reference
 from specjax.kernels.verify_attention import verify_attention
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.llama import causal_mask, forward, init_params
-
 from specjax.tree import k_ary
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

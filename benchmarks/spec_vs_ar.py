@@ -22,7 +22,14 @@ from pathlib import Path
 import jax
 
 from specjax.bench import (
-    ModeRecord, RunConfig, encode_rows, make_any_drafter, merged, mode_stats, timed_run, warm_up,
+    ModeRecord,
+    RunConfig,
+    encode_rows,
+    make_any_drafter,
+    merged,
+    mode_stats,
+    timed_run,
+    warm_up,
 )
 from specjax.datasets import load_prompt_set, select_rows
 from specjax.metrics import job_summary

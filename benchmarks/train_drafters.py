@@ -82,11 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_drafters"))
     args = p.parse_args(argv)
 
-    from specjax.models.hub import load_model
-
     from specjax.cli import read_prompts
     from specjax.drafters.learned import drafter_params, make_learned_drafter
     from specjax.drafters.ngram import NgramDrafter
+    from specjax.models.hub import load_model
     from specjax.train.trainer import TrainConfig, load_trained, prepare_data, train_drafter
     from specjax.tree import chain
 

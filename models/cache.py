@@ -29,7 +29,7 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def advance(self, num_new: jax.Array) -> "KVCache":
+    def advance(self, num_new: jax.Array) -> KVCache:
         """Commits the first num_new `[B]` provisional entries of each row."""
         return self.replace(lengths=self.lengths + num_new.astype(jnp.int32))
 

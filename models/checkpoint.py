@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
+
 from specjax.models.config import ModelConfig
 
 

@@ -69,5 +69,5 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

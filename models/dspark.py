@@ -22,6 +22,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
 from specjax.models.dflash import DFlashConfig, DFlashModel
 from specjax.models.llama import _dense
 

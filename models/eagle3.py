@@ -20,6 +20,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
 from specjax.models.config import ModelConfig
 from specjax.models.heads import HeadLayer, attention, causal, layer_config
 from specjax.models.llama import RMSNorm, _dense

@@ -19,6 +19,7 @@ import os
 import re
 
 import numpy as np
+
 from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_reader import GGUFFile, read_gguf

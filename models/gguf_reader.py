@@ -19,6 +19,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+
 from specjax.models.checkpoint import CheckpointError
 
 GGUF_MAGIC = b"GGUF"

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from einops import rearrange
+
 from specjax.models.config import ModelConfig
 from specjax.models.llama import MLP, LlamaModel, RMSNorm, _dense, apply_rope, rope_tables
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
+
 from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
 from specjax.models.config import ModelConfig, RopeScaling
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from specjax.models.checkpoint import CheckpointError
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf

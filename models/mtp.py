@@ -24,6 +24,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import init_sequential
 from specjax.models.heads import HeadLayer, TargetView, attention, causal, layer_config

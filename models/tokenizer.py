@@ -28,8 +28,9 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
-from specjax.models.checkpoint import CheckpointError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from specjax.models.checkpoint import CheckpointError
 
 # Strings that end a turn or a document in common vocabularies; all that exist become eos ids.
 END_TOKENS = (

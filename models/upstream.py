@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from specjax.models.config import ModelConfig
 
 # (upstream name, our param path, transpose)

@@ -29,11 +29,11 @@ class SpecMetrics:
     accepted_per_pos: jax.Array  # [B, Dmax] int32
 
     @classmethod
-    def zeros(cls, batch_size: int, max_depth: int) -> "SpecMetrics":
+    def zeros(cls, batch_size: int, max_depth: int) -> SpecMetrics:
         zero = jnp.zeros((batch_size,), jnp.int32)
         return cls(zero, zero, zero, jnp.zeros((batch_size, max_depth), jnp.int32))
 
-    def record(self, active: jax.Array, drafted: jax.Array, accepted: jax.Array) -> "SpecMetrics":
+    def record(self, active: jax.Array, drafted: jax.Array, accepted: jax.Array) -> SpecMetrics:
         """Adds one step for active rows `[B]`: drafted `[B]`, accepted `[B]` tokens."""
         on = active.astype(jnp.int32)
         depth = jnp.arange(self.accepted_per_pos.shape[1])[None, :]

@@ -35,7 +35,13 @@ import numpy as np
 
 from specjax.api import bucket
 from specjax.bench import (
-    ModeRecord, RunConfig, generate_batches, make_any_drafter, mode_stats, timed_run, warm_up,
+    ModeRecord,
+    RunConfig,
+    generate_batches,
+    make_any_drafter,
+    mode_stats,
+    timed_run,
+    warm_up,
 )
 from specjax.profile import LatencyProfile, profile_latency
 from specjax.schedule import Bucket, Schedule, draft_tree, shape_label

@@ -22,7 +22,12 @@ from specjax.bench import (
 )
 from specjax.datasets import load_prompt_set, select_rows, synthetic_rows
 from specjax.drafters.forced import (
-    MAX_DEPTH, ForcedDrafter, accept_forced, expected_accepted, forced_params, make_forced,
+    MAX_DEPTH,
+    ForcedDrafter,
+    accept_forced,
+    expected_accepted,
+    forced_params,
+    make_forced,
 )
 from specjax.metrics import SpecMetrics, job_summary, length_histogram, row_summaries, summarize
 from specjax.sampling import SamplingParams

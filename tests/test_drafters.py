@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from scipy import stats
-from specjax.models.llama import forward, init_params
 
 from specjax.accept import accept_sampling
 from specjax.api import generate_ids
 from specjax.drafters.draft_model import DraftModelDrafter, child_tables, draw_children
 from specjax.drafters.registry import make_drafter
+from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams, probabilities
 from specjax.tree import chain, k_ary
 from specjax.types import Draft

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from specjax.models.cache import init_cache
 from specjax.models.hub import load_model
 from specjax.models.llama import forward

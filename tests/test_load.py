@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from safetensors.numpy import save_file
+
 from specjax.models import hub
 from specjax.models.cache import init_cache
 from specjax.models.checkpoint import TensorSource, assemble_params, params_to_hf

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
+
 from specjax.kernels import verify_attention as va
 from specjax.kernels.reference import verify_attention_reference
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward, init_params
-
 from specjax.tree import TreeSpec
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

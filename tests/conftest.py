@@ -30,3 +30,11 @@ def tiny_model():
     cfg = tiny_config()
     params = init_params(cfg, jax.random.PRNGKey(0))
     return cfg, params
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops jit caches after each test module: hundreds of compiled programs (the real model's
+    among them) otherwise pile up in one process for the whole suite."""
+    yield
+    jax.clear_caches()

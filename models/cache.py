@@ -49,13 +49,18 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     """Writes `new` `[L, B, T, ...]` into `buffer` `[L, B, S, ...]` at per-row offsets `[B]`.
 
     The caller guarantees offsets[b] + T <= S (dynamic_update_slice would clamp silently).
+    One dynamic_update_slice per row in a loop: XLA updates the (donated) buffer in place,
+    where a vmapped update becomes a scatter that copies the whole buffer (measured on CPU:
+    53 ms vs 0.03 ms for SmolLM2's cache at B=8, S=512).
     """
+    new = new.astype(buffer.dtype)
 
-    def write_one(buf_row, new_row, offset):  # [L, S, ...], [L, T, ...], []
-        start = (0, offset) + (0,) * (buf_row.ndim - 2)
-        return jax.lax.dynamic_update_slice(buf_row, new_row.astype(buf_row.dtype), start)
+    def write_one(row, buf):
+        row_new = jax.lax.dynamic_slice_in_dim(new, row, 1, axis=1)  # [L, 1, T, ...]
+        start = (0, row, offsets[row]) + (0,) * (buf.ndim - 3)
+        return jax.lax.dynamic_update_slice(buf, row_new, start)
 
-    return jax.vmap(write_one, in_axes=(1, 1, 0), out_axes=1)(buffer, new, offsets)
+    return jax.lax.fori_loop(0, buffer.shape[1], write_one, buffer)
 
 
 def write(cache: KVCache, new_k: jax.Array, new_v: jax.Array) -> KVCache:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache
+from specjax.models.cache import KVCache, write_rows
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult
 
@@ -15,12 +15,12 @@ def compact_rows(buffer: jax.Array, lengths: jax.Array, path: jax.Array, width: 
     path `[B, P]` verify indices; width = 1 + N, the provisional region read per row.
     """
 
-    def one_row(buf, length, row_path):  # [L, S, ...], [], [P]
+    def kept_row(buf, length, row_path):  # [L, S, ...], [], [P] -> [L, P, ...]
         region = jax.lax.dynamic_slice_in_dim(buf, length, width, axis=1)
-        kept = jnp.take(region, row_path, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(buf, kept, length, axis=1)
+        return jnp.take(region, row_path, axis=1)
 
-    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(buffer, lengths, path)
+    kept = jax.vmap(kept_row, in_axes=(1, 0, 0), out_axes=1)(buffer, lengths, path)
+    return write_rows(buffer, kept, lengths)
 
 
 def commit(cache: KVCache, result: AcceptResult, tree: TreeSpec, active: jax.Array) -> KVCache:

@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax.kernels.reference import verify_attention_reference
 from specjax.kernels.verify_attention import verify_attention
-from specjax.models.cache import KVCache
+from specjax.models.cache import init_cache
 from specjax.models.config import ModelConfig
 from specjax.models.llama import causal_mask, forward, init_params
 from specjax.tree import k_ary
@@ -190,10 +190,15 @@ def normal(key, shape, dtype) -> jax.Array:
 
 
 def cache_arrays(key, batch, capacity, kv_heads, head_dim, dtype):
-    """k_cache, v_cache `[B, S, KVH, Dh]`."""
+    """One layer of `KVCache`: k_cache `[B, KVH, Dh, S]`, v_cache `[B, KVH, S, Dh]`."""
     k1, k2 = jax.random.split(key)
-    shape = (batch, capacity, kv_heads, head_dim)
-    return normal(k1, shape, dtype), normal(k2, shape, dtype)
+    return (normal(k1, (batch, kv_heads, head_dim, capacity), dtype),
+            normal(k2, (batch, kv_heads, capacity, head_dim), dtype))
+
+
+def token_major(k_cache, v_cache):
+    """`[B, S, KVH, Dh]` copies of one cache layer (the layout jax's decode_attention takes)."""
+    return (jnp.transpose(k_cache, (0, 3, 1, 2)), jnp.transpose(v_cache, (0, 2, 1, 3)))
 
 
 def new_token_arrays(key, batch, seq, group, kv_heads, head_dim, dtype):
@@ -299,7 +304,7 @@ def run_attention_block(
         meta = {"B": batch, "L": length, "G": group, "T": seq, "opts": dict(opts),
                 "kv_bytes": kv_bytes(batch, length, sizes.kv_heads, sizes.head_dim, 2)}
         if impl == "gqa":
-            fn, args = gqa_fn(bool(interpret), sizes.gqa), (q, k_cache, v_cache, lengths)
+            fn, args = gqa_fn(bool(interpret), sizes.gqa), (q, *token_major(k_cache, v_cache), lengths)
         else:
             fn = kernel_fn(interpret, opts) if impl == "kernel" else XLA_FN
             args = (q, k_new, v_new, k_cache, v_cache, lengths, tree_mask(batch, seq))
@@ -376,11 +381,11 @@ def run_e2e(sizes: Sizes, ceil: dict, budget: Budget) -> list[dict]:
     fns = {impl: e2e_forward(base.replace(attention_impl=impl)) for impl in ("pallas", "xla")}
     rows = []
     for batch in sizes.e2e_batches:
-        shape = (base.num_layers, batch, sizes.e2e_length + max(sizes.e2e_seqs),
-                 base.num_kv_heads, base.head_dim)
+        layout = init_cache(base, batch, sizes.e2e_length + max(sizes.e2e_seqs))
         k1, k2 = jax.random.split(jax.random.PRNGKey(batch))
-        cache = KVCache(k=normal(k1, shape, base.jnp_dtype), v=normal(k2, shape, base.jnp_dtype),
-                        lengths=jnp.full((batch,), sizes.e2e_length, jnp.int32))
+        cache = layout.replace(k=normal(k1, layout.k.shape, base.jnp_dtype),
+                               v=normal(k2, layout.v.shape, base.jnp_dtype),
+                               lengths=jnp.full((batch,), sizes.e2e_length, jnp.int32))
         for seq in sizes.e2e_seqs:
             tokens = jnp.ones((batch, seq), jnp.int32)
             positions = cache.lengths[:, None] + jnp.arange(seq)

@@ -2,13 +2,14 @@
 
 Interface: exactly `verify_attention_reference` (kernels/reference.py):
 
-    verify_attention(q [B, T, Hq, Dh], k_new [B, T, KVH, Dh], v_new, k_cache [B, S, KVH, Dh],
-                     v_cache, lengths [B], tree_mask [B, T, T]) -> [B, T, Hq, Dh]
+    verify_attention(q [B, T, Hq, Dh], k_new [B, T, KVH, Dh], v_new, k_cache [B, KVH, Dh, S],
+                     v_cache [B, KVH, S, Dh], lengths [B], tree_mask [B, T, T]) -> [B, T, Hq, Dh]
 
 Tile layout. For row b and KV head h the G = Hq/KVH query heads sharing h, times the T new
 tokens, are packed into rows r = t·G + g of one query tile (`pack_queries`), padded to a power
 of two ≥ 16 (the Triton dot's minimum). Each program streams K/V blocks of `block_k` keys of
-k_cache[b, :, h] ONCE for the whole tile, so verifying T−1 extra tokens costs little until the
+row b, head h ONCE for the whole tile (a key block is a `[Dh, block_k]` column block of the
+transposed key cache, a value block `[block_k, Dh]` rows of the value cache), so verifying T−1 extra tokens costs little until the
 tile is full. Tiles taller than `block_q` rows are split over a grid axis (each re-reads K/V).
 
 Grid: (B, KVH, k_splits, row blocks). Split s covers an equal share of the row's OWN cached
@@ -172,14 +173,15 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     )
 
 
-def _attend_block(state, q, k, v, scale: float, mask):
+def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool):
     """One online-softmax step of the tile over one key block.
 
-    state: (acc `[Mq, Dh]` f32, m `[Mq]` f32, l `[Mq]` f32); q `[Mq, Dh]`; k, v `[Nk, Dh]`;
+    state: (acc `[Mq, Dh]` f32, m `[Mq]` f32, l `[Mq]` f32); q `[Mq, Dh]`; k `[Dh, Nk]` if
+    keys_by_column (the cache's transposed keys) else `[Nk, Dh]`; v `[Nk, Dh]`;
     mask: None or bool broadcastable to `[Mq, Nk]` (True = attend).
     """
     acc, m_prev, l_prev = state
-    scores = _dot(q, k, 1) * scale  # [Mq, Nk] f32
+    scores = _dot(q, k, 0 if keys_by_column else 1) * scale  # [Mq, Nk] f32
     if mask is not None:
         scores = jnp.where(mask, scores, NEG_INF)
     m_next = jnp.maximum(m_prev, scores.max(axis=1))
@@ -199,12 +201,13 @@ def _split_range(length, split, k_splits: int, block_k: int):
 
 
 def _attend_prefix(state, q, k_ref, v_ref, start, end, scale: float, block_k: int):
-    """Streams cached keys [start, end) of k_ref/v_ref `[S, Dh]`: full blocks, then a masked tail."""
+    """Streams cached keys [start, end) of k_ref `[Dh, S]` / v_ref `[S, Dh]`: full blocks, then a
+    masked tail."""
     num_full = (end - start) // block_k
 
     def full_block(i, carry):
         block = pl.ds(start + i * block_k, block_k)
-        return _attend_block(carry, q, k_ref[block, :], v_ref[block, :], scale, None)
+        return _attend_block(carry, q, k_ref[:, block], v_ref[block, :], scale, None, True)
 
     state = jax.lax.fori_loop(0, num_full, full_block, state)
     tail_start = start + num_full * block_k
@@ -212,9 +215,9 @@ def _attend_prefix(state, q, k_ref, v_ref, start, end, scale: float, block_k: in
     def tail_block(carry):
         valid = tail_start + jnp.arange(block_k) < end  # [block_k]
         block = pl.ds(tail_start, block_k)
-        k = plgpu.load(k_ref.at[block, :], mask=valid[:, None], other=0.0)
+        k = plgpu.load(k_ref.at[:, block], mask=valid[None, :], other=0.0)
         v = plgpu.load(v_ref.at[block, :], mask=valid[:, None], other=0.0)
-        return _attend_block(carry, q, k, v, scale, valid[None, :])
+        return _attend_block(carry, q, k, v, scale, valid[None, :], True)
 
     return jax.lax.cond(tail_start < end, tail_block, lambda carry: carry, state)
 
@@ -224,7 +227,7 @@ def _verify_kernel(
 ):
     """One (row b, KV head h, split s, row block) program.
 
-    q_ref `[block_q, Dh]`; k_ref, v_ref `[S, Dh]` (the row's cache for head h); kn_ref, vn_ref
+    q_ref `[block_q, Dh]`; k_ref `[Dh, S]`, v_ref `[S, Dh]` (the row's cache for head h); kn_ref, vn_ref
     `[Tp, Dh]`; mask_ref `[block_q, Tp]` int8; len_ref `[1]`; outputs (the last 3 of refs;
     any before them are aliased poison buffers, unused): o_ref `[block_q, Dh]`,
     m_ref, l_ref `[block_q]`.
@@ -243,7 +246,7 @@ def _verify_kernel(
 
     def new_tokens(carry):
         mask = mask_ref[...] != 0
-        return _attend_block(carry, q, kn_ref[...], vn_ref[...], scale, mask)
+        return _attend_block(carry, q, kn_ref[...], vn_ref[...], scale, mask, False)
 
     acc, m, l = jax.lax.cond(
         split == tiling.k_splits - 1, new_tokens, lambda carry: carry, state
@@ -272,7 +275,7 @@ def verify_partials(
     Args:
       q_tiles: `[B, KVH, Rp, Dh]` packed queries (`pack_queries`).
       k_new, v_new: `[B, Tp, KVH, Dh]` new keys/values, zero-padded to Tp tokens.
-      k_cache, v_cache: `[B, S, KVH, Dh]`.
+      k_cache: `[B, KVH, Dh, S]`, v_cache: `[B, KVH, S, Dh]` (one layer of `KVCache`).
       lengths: `[B]` int32, 0 ≤ lengths ≤ S.
       row_mask: `[B, Rp, Tp]` int8 (`expand_tree_mask`).
       poison: start the outputs as NaN (aliased buffers), so an element a program fails to
@@ -283,7 +286,7 @@ def verify_partials(
       sum), m and l `[B, KVH, k_splits, Rp]` f32 (running max and sum of each split).
     """
     batch, kv_heads, rows, head_dim = q_tiles.shape
-    capacity, new_block = k_cache.shape[1], k_new.shape[1]
+    capacity, new_block = v_cache.shape[2], k_new.shape[1]
     t = tiling
     grid = (batch, kv_heads, t.k_splits, t.row_blocks)
     out_shape = (
@@ -298,8 +301,8 @@ def verify_partials(
     )
     in_specs = [
         pl.BlockSpec((None, None, t.block_q, head_dim), lambda b, h, s, r: (b, h, r, 0)),
-        pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s, r: (b, 0, h, 0)),
-        pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s, r: (b, 0, h, 0)),
+        pl.BlockSpec((None, None, head_dim, capacity), lambda b, h, s, r: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, capacity, head_dim), lambda b, h, s, r: (b, h, 0, 0)),
         pl.BlockSpec((None, new_block, None, head_dim), lambda b, h, s, r: (b, 0, h, 0)),
         pl.BlockSpec((None, new_block, None, head_dim), lambda b, h, s, r: (b, 0, h, 0)),
         pl.BlockSpec((None, t.block_q, new_block), lambda b, h, s, r: (b, r, 0)),
@@ -373,8 +376,9 @@ def verify_attention(
     """Verify attention by the Pallas kernel; same contract as `verify_attention_reference`.
 
     Args:
-      q: `[B, T, Hq, Dh]`; k_new, v_new: `[B, T, KVH, Dh]`; k_cache, v_cache: `[B, S, KVH, Dh]`;
-        lengths: `[B]` int32 (clamped to [0, S]); tree_mask: `[B, T, T]` bool.
+      q: `[B, T, Hq, Dh]`; k_new, v_new: `[B, T, KVH, Dh]`; k_cache: `[B, KVH, Dh, S]`;
+        v_cache: `[B, KVH, S, Dh]`; lengths: `[B]` int32 (clamped to [0, S]); tree_mask:
+        `[B, T, T]` bool.
       scale: softmax scale, default Dh ** -0.5.
       block_q: query rows per tile (default: all G·T rows padded, at most 128).
       block_k: cached keys per block. k_splits: splits of the cached length (default: a
@@ -386,7 +390,7 @@ def verify_attention(
       `[B, T, Hq, Dh]` in q's dtype.
     """
     batch, seq, heads, head_dim = q.shape
-    capacity, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, capacity = v_cache.shape[1], v_cache.shape[2]
     group = heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
@@ -396,11 +400,10 @@ def verify_attention(
     )
     dim = kernel_head_dim(head_dim)
     if dim != head_dim:
-        q, k_new, v_new, k_cache, v_cache = (
-            pad_axis(x, 3, dim) for x in (q, k_new, v_new, k_cache, v_cache)
-        )
+        q, k_new, v_new, v_cache = (pad_axis(x, 3, dim) for x in (q, k_new, v_new, v_cache))
+        k_cache = pad_axis(k_cache, 2, dim)
     if capacity < tiling.block_k:  # ... except in caches shorter than 16: pad those (tiny)
-        k_cache, v_cache = (pad_axis(x, 1, tiling.block_k) for x in (k_cache, v_cache))
+        k_cache, v_cache = pad_axis(k_cache, 3, tiling.block_k), pad_axis(v_cache, 2, tiling.block_k)
     o, m, l = verify_partials(
         pack_queries(q, kv_heads, tiling.rows),
         pad_axis(k_new, 1, tiling.new_block),

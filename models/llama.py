@@ -106,7 +106,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask):
-        """x `[B, T, H]`; k/v_cache `[B, S, KVH, Dh]` -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
+        """x `[B, T, H]`; one layer of the cache: k_cache `[B, KVH, Dh, S]`, v_cache `[B, KVH, S, Dh]`
+        -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         batch, seq = x.shape[:2]

@@ -4,23 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache, write_rows
+from specjax.models.cache import KVCache, compact
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult
-
-
-def compact_rows(buffer: jax.Array, lengths: jax.Array, path: jax.Array, width: int) -> jax.Array:
-    """Moves entries `lengths + path[b, j]` to `lengths + j` in buffer `[L, B, S, ...]`.
-
-    path `[B, P]` verify indices; width = 1 + N, the provisional region read per row.
-    """
-
-    def kept_row(buf, length, row_path):  # [L, S, ...], [], [P] -> [L, P, ...]
-        region = jax.lax.dynamic_slice_in_dim(buf, length, width, axis=1)
-        return jnp.take(region, row_path, axis=1)
-
-    kept = jax.vmap(kept_row, in_axes=(1, 0, 0), out_axes=1)(buffer, lengths, path)
-    return write_rows(buffer, kept, lengths)
 
 
 def commit(cache: KVCache, result: AcceptResult, tree: TreeSpec, active: jax.Array) -> KVCache:
@@ -29,11 +15,7 @@ def commit(cache: KVCache, result: AcceptResult, tree: TreeSpec, active: jax.Arr
     For a chain the accepted path is already contiguous, so only lengths move.
     """
     if not tree.is_chain:
-        width = tree.num_nodes + 1
-        cache = cache.replace(
-            k=compact_rows(cache.k, cache.lengths, result.path, width),
-            v=compact_rows(cache.v, cache.lengths, result.path, width),
-        )
+        cache = compact(cache, cache.lengths, result.path, tree.num_nodes + 1)
     return cache.advance(jnp.where(active, result.num_accepted + 1, 0))
 
 

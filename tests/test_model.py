@@ -106,4 +106,6 @@ def test_hidden_layers_and_logit_indices():
     assert len(full.layer_hidden) == 2 and full.layer_hidden[0].shape == (1, 4, cfg.hidden_size)
     picked = forward(cfg, params, tokens, pos, cache, logit_indices=jnp.array([[3, 1]]))
     np.testing.assert_allclose(picked.logits[0], full.logits[0, jnp.array([3, 1])], atol=1e-6)
-    assert np.asarray(full.cache.k[:, 0, :4]).any() and not np.asarray(full.cache.k[:, 0, 4:]).any()
+    k, v = full.cache.token_major()
+    assert np.asarray(k[:, 0, :4]).any() and not np.asarray(k[:, 0, 4:]).any()
+    assert np.asarray(v[:, 0, :4]).any() and not np.asarray(v[:, 0, 4:]).any()

@@ -44,8 +44,8 @@ def random_inputs(rng, *, batch, seq, group, kv_heads, head_dim, capacity, dtype
         normal(batch, seq, kv_heads * group, head_dim),
         normal(batch, seq, kv_heads, head_dim),
         normal(batch, seq, kv_heads, head_dim),
-        normal(batch, capacity, kv_heads, head_dim),
-        normal(batch, capacity, kv_heads, head_dim),
+        normal(batch, kv_heads, head_dim, capacity),  # keys transposed (models/cache.py)
+        normal(batch, kv_heads, capacity, head_dim),
         jnp.asarray(lengths, jnp.int32),
         jnp.asarray(random_tree_mask(rng, batch, seq)),
     )
@@ -197,8 +197,8 @@ def test_lowers_to_triton_for_gpu(batch, seq, group, head_dim, capacity, dtype, 
 
     args = (
         spec(batch, seq, 8 * group, head_dim), spec(batch, seq, 8, head_dim),
-        spec(batch, seq, 8, head_dim), spec(batch, capacity, 8, head_dim),
-        spec(batch, capacity, 8, head_dim), spec(batch, dt=jnp.int32),
+        spec(batch, seq, 8, head_dim), spec(batch, 8, head_dim, capacity),
+        spec(batch, 8, capacity, head_dim), spec(batch, dt=jnp.int32),
         spec(batch, seq, seq, dt=jnp.bool_),
     )
     fn = jax.jit(lambda *a: va.verify_attention(*a, interpret=False, **kernel_args))

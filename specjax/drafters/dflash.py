@@ -29,14 +29,14 @@ from specjax.drafters.learned import (
     draft_levels,
     make_draft,
 )
-from specjax.models.cache import KVCache, write
+from specjax.models.cache import KVCache, empty_cache, write
 from specjax.models.dflash import DFlashConfig, block_model
 from specjax.models.heads import TargetView, prefix_mask
 
 
 @struct.dataclass
 class BlockState:
-    cache: KVCache  # context k, v [Ld, B, S, KVH, Dh]; lengths [B] committed tokens
+    cache: KVCache  # the context keys/values of Ld layers; lengths [B] committed tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,8 @@ class BlockDrafter(Drafter):
 
     def init(self, params, batch_size: int, width: int) -> BlockState:
         c = self.head.layer
-        shape = (c.num_layers, batch_size, width, c.num_kv_heads, c.head_dim)
-        return BlockState(cache=KVCache(k=jnp.zeros(shape, c.jnp_dtype), v=jnp.zeros(shape, c.jnp_dtype),
-                                        lengths=jnp.zeros((batch_size,), jnp.int32)))
+        return BlockState(cache=empty_cache(c.num_layers, batch_size, width, c.num_kv_heads,
+                                            c.head_dim, c.jnp_dtype))
 
     def prefill(self, params, state, decode, target_out):
         return self._ingest(params, state, target_out.layer_hidden, decode.cache.lengths)
@@ -107,7 +106,7 @@ class BlockDrafter(Drafter):
         positions = cache.lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
         x = self.view.embed(params["target"], tokens)
         everything = jnp.ones((1, size, size), bool)
-        hidden = self._call(params, "block", x, positions, cache.k, cache.v,
+        hidden = self._call(params, "block", x, positions, *cache.token_major(),
                             prefix_mask(cache.lengths, cache.capacity), everything)
         return hidden[:, head.predict_offset:]
 

@@ -38,9 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.commit import compact_rows
 from specjax.drafters.base import Drafter
-from specjax.models.cache import KVCache, init_cache
+from specjax.models.cache import KVCache, compact, init_cache
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward
 from specjax.sampling import SamplingParams, processed_logits
@@ -358,9 +357,5 @@ class DraftModelDrafter(Drafter):
         slots = jnp.asarray(fed_slots(self.tree))[result.path]  # [B, Dmax + 1]
         width = int(fed_slots(self.tree).max()) + 1
         root = state.base - 1
-        cache = state.cache
-        return state.replace(cache=cache.replace(
-            k=compact_rows(cache.k, root, slots, width),
-            v=compact_rows(cache.v, root, slots, width),
-        ))
+        return state.replace(cache=compact(state.cache, root, slots, width))
 

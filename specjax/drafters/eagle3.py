@@ -35,13 +35,13 @@ from specjax.drafters.learned import (
     path_log_probs,
     take_rows,
 )
-from specjax.models.cache import KVCache, write
+from specjax.models.cache import KVCache, empty_cache, write
 from specjax.models.heads import TargetView, attention, causal, prefix_mask, sequential_model
 
 
 @struct.dataclass
 class SequentialState:
-    cache: KVCache  # k, v [1, B, S, KVH, Dh]; lengths [B] = committed draft entries
+    cache: KVCache  # one layer (see models/cache.py); lengths [B] = committed draft entries
     last: jax.Array  # [B, H] output of the last committed entry (predicts the root's child)
 
 
@@ -94,7 +94,7 @@ class SequentialDrafter(Drafter):
         positions = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
         emb = self.view.embed(params["target"], tokens)
         q, k, v, residual = self._call(params, "cell_qkv", features, emb, positions)
-        parts = [(cache.k[0], cache.v[0], prefix_mask(cache.lengths, cache.capacity)),
+        parts = [(*cache.layer_kv(0), prefix_mask(cache.lengths, cache.capacity)),
                  (k, v, causal(seq))]
         out = self._call(params, "cell_finish", attention(q, parts), residual)
         cache = write(cache, k[None], v[None]).replace(lengths=new_lengths.astype(jnp.int32))
@@ -104,10 +104,8 @@ class SequentialDrafter(Drafter):
 
     def init(self, params, batch_size: int, width: int) -> SequentialState:
         c = self.head.layer
-        shape = (1, batch_size, width, c.num_kv_heads, c.head_dim)
         return SequentialState(
-            cache=KVCache(k=jnp.zeros(shape, c.jnp_dtype), v=jnp.zeros(shape, c.jnp_dtype),
-                          lengths=jnp.zeros((batch_size,), jnp.int32)),
+            cache=empty_cache(1, batch_size, width, c.num_kv_heads, c.head_dim, c.jnp_dtype),
             last=jnp.zeros((batch_size, c.hidden_size), c.jnp_dtype),
         )
 
@@ -145,7 +143,7 @@ class SequentialDrafter(Drafter):
             emb = self.view.embed(params["target"], tokens)
             q, k, v, residual = self._call(params, "cell_qkv", feature, emb, positions)
             node_k, node_v = node_k.at[:, nodes].set(k), node_v.at[:, nodes].set(v)
-            parts = [(cache.k[0], cache.v[0], prefix_mask(cache.lengths, cache.capacity)),
+            parts = [(*cache.layer_kv(0), prefix_mask(cache.lengths, cache.capacity)),
                      (node_k, node_v, jnp.asarray(ancestors[nodes])[None])]
             out = self._call(params, "cell_finish", attention(q, parts), residual)
             logits = self._call(params, "logits", out, params["target"])

@@ -108,11 +108,11 @@ def main(argv=None) -> int:
         "ratio_specjax_vs_hf_b1": med(b1) / med(hf) if hf else None,
         "ratio_b8_vs_b1": med(b8) / med(b1),
     }
-    print(f"{'run':<22}{'median tok/s':>14}{'runs':>30}")
-    print(f"{'specjax B=1':<22}{med(b1):>14.1f}{str(np.round(b1, 1).tolist()):>30}")
+    print(f"{'run':<22}{'median tok/s':>14}  runs")
+    print(f"{'specjax B=1':<22}{med(b1):>14.1f}  {np.round(b1, 1).tolist()}")
     if hf:
-        print(f"{'HF transformers B=1':<22}{med(hf):>14.1f}{str(np.round(hf, 1).tolist()):>30}")
-    print(f"{'specjax B=' + str(args.batch):<22}{med(b8):>14.1f}{str(np.round(b8, 1).tolist()):>30}")
+        print(f"{'HF transformers B=1':<22}{med(hf):>14.1f}  {np.round(hf, 1).tolist()}")
+    print(f"{'specjax B=' + str(args.batch):<22}{med(b8):>14.1f}  {np.round(b8, 1).tolist()}")
     if hf:
         print(f"specjax/HF at B=1: {result['ratio_specjax_vs_hf_b1']:.2f}x (target >= 1.2)")
     else:

@@ -38,10 +38,10 @@ from specjax.profile import load_target, profile_latency
 from specjax.tree import chain
 from specjax.tune import Calibration, Candidate, predictions
 
-FULL = dict(model="random:llama3-8b", dtype="bfloat16", batch_sizes=(1, 16, 64),
-            draft_lengths=(1, 3, 7, 15, 31), prompt_len=128, max_new_tokens=128, repeats=3)
-SMOKE = dict(model="random:tiny", dtype="float32", batch_sizes=(1, 4), draft_lengths=(1, 3),
-             prompt_len=24, max_new_tokens=32, repeats=2)
+FULL = {"model": "random:llama3-8b", "dtype": "bfloat16", "batch_sizes": (1, 16, 64),
+        "draft_lengths": (1, 3, 7, 15, 31), "prompt_len": 128, "max_new_tokens": 128, "repeats": 3}
+SMOKE = {"model": "random:tiny", "dtype": "float32", "batch_sizes": (1, 4), "draft_lengths": (1, 3),
+         "prompt_len": 24, "max_new_tokens": 32, "repeats": 2}
 
 
 def parse_args(argv=None):
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     s = settings(args)
     t0 = time.perf_counter()
-    say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
     model = load_target(s["model"], s["dtype"])
     say(f"{s['model']} {s['dtype']} on {jax.devices()[0].device_kind}")
     profile = tuple(float(x) for x in args.profile.split(","))

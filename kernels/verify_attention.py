@@ -9,8 +9,9 @@ Tile layout. For row b and KV head h the G = Hq/KVH query heads sharing h, times
 tokens, are packed into rows r = t·G + g of one query tile (`pack_queries`), padded to a power
 of two ≥ 16 (the Triton dot's minimum). Each program streams K/V blocks of `block_k` keys of
 row b, head h ONCE for the whole tile (a key block is a `[Dh, block_k]` column block of the
-transposed key cache, a value block `[block_k, Dh]` rows of the value cache), so verifying T−1 extra tokens costs little until the
-tile is full. Tiles taller than `block_q` rows are split over a grid axis (each re-reads K/V).
+transposed key cache, a value block `[block_k, Dh]` rows of the value cache), so verifying
+T−1 extra tokens costs little until the tile is full. Tiles taller than `block_q` rows are
+split over a grid axis (each re-reads K/V).
 
 Grid: (B, KVH, k_splits, row blocks). Split s covers an equal share of the row's OWN cached
 length (computed in the kernel from lengths[b], so short rows do not leave splits idle by

@@ -56,9 +56,11 @@ class KVCache:
         )
 
     def layer_kv(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """Token-major k, v `[B, S, KVH, Dh]` of one layer."""
-        k, v = self.token_major()
-        return k[layer], v[layer]
+        """Token-major copies k, v `[B, S, KVH, Dh]` of one layer."""
+        return (
+            rearrange(self.k[layer], "b h d s -> b s h d"),
+            rearrange(self.v[layer], "b h s d -> b s h d"),
+        )
 
 
 def empty_cache(

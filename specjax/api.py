@@ -2,8 +2,8 @@
 
 `generate_ids` works on token ids with any (cfg, params); `generate` adds a tokenizer, chat
 templates and stop strings. Both run each batch as ONE jitted program (`loop.generate_program`)
-whose shapes are bucketed (2^k or 3·2^(k-2) lengths, power-of-two batches), so calls with other prompt lengths or
-max_new_tokens inside the same buckets do not compile again.
+whose shapes are bucketed (2^k or 3·2^(k-2) lengths, power-of-two batches), so calls with
+other prompt lengths or max_new_tokens inside the same buckets do not compile again.
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ class Generation:
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """Length bucket: the smallest 2^k or 3·2^(k-2) >= max(n, minimum).
 
-    Half-way buckets cap the padding at a third of the length instead of doubling it: prefill
-    is compute-bound, so padded prompt tokens cost as much as real ones (a batch of 8 chat
-    prompts of 52-87 tokens pads to 96 instead of 128).
+    Half-way buckets keep the padding under a third of the bucket instead of up to half of
+    it: prefill is compute-bound, so padded prompt tokens cost as much as real ones (a batch of
+    8 chat prompts of 52-87 tokens pads to 96 instead of 128).
     """
     n = max(int(n), minimum, 1)
     power = 1 << (n - 1).bit_length()

@@ -319,6 +319,13 @@ class LatencyProfile:
         ts = sorted(curve)
         return float(np.interp(num_tokens, ts, [curve[t] for t in ts]))
 
+    def merged(self, other: LatencyProfile) -> LatencyProfile:
+        """This profile plus other's batch sizes (other's entries win where both have one)."""
+        return dataclasses.replace(
+            self, target=self.target | other.target, ar_step=self.ar_step | other.ar_step,
+            draft=self.draft | other.draft, step=self.step | other.step,
+        )
+
     def to_dict(self) -> dict:
         str_keys = lambda d: {str(k): (str_keys(v) if isinstance(v, dict) else v) for k, v in d.items()}
         return {

@@ -292,6 +292,10 @@ class TuneConfig:
     measure_repeats: int = 2  # round-robin passes over the prompts per measured candidate
     dtype: str = "float32"
 
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"tune needs batch sizes >= 1, got {self.batch_sizes}")
+
 
 def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConfig, tc: TuneConfig,
          log: Callable[[str], None] = lambda _: None, model_name: str | None = None) -> dict:
@@ -311,23 +315,25 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
     context = int(np.mean([len(p) for p in ids])) + run.max_new_tokens // 2
     capacity = bucket(max(len(p) for p in ids)) + bucket(run.max_new_tokens) + 1 + max(c.num_nodes for c in cands)
     drafters = {c.label: make_any_drafter(draft_spec, c.tree_spec, model, tc.dtype) for c in cands}
-    prof = profile_latency(
-        model, tc.batch_sizes, [1] + [1 + c.num_nodes for c in cands], drafters, context=context,
-        capacity=capacity, repeats=tc.profile_repeats, steps=tc.step_profile, log=log,
-    )
     roof = measure_roofline(model.cfg.dtype)
     report = {
-        "model": model.cfg.name, "draft": draft_spec, "device": prof.device,
+        "model": model.cfg.name, "draft": draft_spec,
         "calibration": {"num_prompts": len(ids), "max_draft": max_draft,
                         "acceptance": cal.acceptance()},
         "roofline": roof,
         "analytic": {"group_size": model.cfg.group_size,
                      **tile_draft_lengths(model.cfg.group_size, max_draft)},
-        "profile": prof.to_dict(),
         "batch_sizes": {},
     }
-    buckets = []
+    buckets, prof = [], None
     for b in tc.batch_sizes:
+        # profiled right before its candidates are measured: on a shared machine whose load
+        # drifts, a profile taken long before the check would mispredict it
+        part = profile_latency(
+            model, [b], [1] + [1 + c.num_nodes for c in cands], drafters, context=context,
+            capacity=capacity, repeats=tc.profile_repeats, steps=tc.step_profile, log=log,
+        )
+        prof = part if prof is None else prof.merged(part)
         preds = predictions(cal, prof, cands, b)
         entry = {
             "predictions": preds,
@@ -364,6 +370,7 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         ))
         for line in format_batch(b, entry, report["analytic"]):
             log(line)
+    report["device"], report["profile"] = prof.device, prof.to_dict()
     report["schedule"] = Schedule(tuple(buckets), model=model_name or model.cfg.name, draft=draft_spec,
                                   device=prof.device["device_kind"]).to_dict()
     return report

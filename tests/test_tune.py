@@ -81,6 +81,22 @@ def test_latency_profile_round_trip_interpolation_and_knee():
     assert knee(prof, 1, tolerance=0.25) == 4
 
 
+def test_latency_profiles_merge_by_batch_size():
+    prof = _profile()
+    other = dataclasses.replace(prof, target={4: {1: 0.02}}, ar_step={4: 0.021}, draft={4: {}}, step={4: {}})
+    both = prof.merged(other)
+    assert set(both.target) == {1, 4} and both.target[1] == prof.target[1]
+    assert both.ar_step[4] == 0.021 and both.target_at(4, 3) == pytest.approx(0.02)
+    assert LatencyProfile.from_dict(both.to_dict()) == both
+
+
+def test_tune_config_needs_batch_sizes():
+    from specjax.tune import TuneConfig
+
+    with pytest.raises(ValueError, match="batch sizes"):
+        TuneConfig(batch_sizes=())
+
+
 # ---- analytic starting points ------------------------------------------------------------------
 
 

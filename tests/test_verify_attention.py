@@ -73,6 +73,8 @@ CASES = [
     (4, 16, 128, 200, [5, 200], jnp.float32, {"block_k": 32, "k_splits": 2, "block_q": 32}),
     (8, 33, 64, 150, [150, 0, 97], jnp.bfloat16, {"block_k": 32, "k_splits": 4}),
     (4, 3, 128, 300, [300, 1, 190], jnp.bfloat16, {"block_k": 64}),
+    (16, 64, 64, 70, [0, 70], jnp.float32, {"block_k": 32}),  # the largest G and T: 1024 rows
+    (2, 2, 64, 33000, [32999], jnp.float32, {"block_k": 1024, "k_splits": 4}),  # a 32K context
 ]
 
 

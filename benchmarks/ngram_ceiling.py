@@ -36,7 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specjax.bench import RunConfig, encode_rows, generate_batches, warm_up
+from specjax.bench import RunConfig, encode_by_category, generate_batches, warm_up
 from specjax.datasets import load_prompt_set, select_rows
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.hub import load_model
@@ -173,9 +173,7 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, dtype="float32")
     rows = select_rows(load_prompt_set(args.dataset), categories=args.categories, per_category=args.per_category)
-    groups: dict[str, list[list[int]]] = {}
-    for row, ids in zip(rows, encode_rows(model, rows)):
-        groups.setdefault(row["category"], []).append(ids)
+    groups = encode_by_category(model, rows)
     run = RunConfig(max_new_tokens=args.max_new_tokens)
     warm_up(model, list(groups.values()), run, [(None, None)])
     report = {"device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "jax": jax.__version__,

@@ -24,7 +24,7 @@ import jax
 from specjax.bench import (
     ModeRecord,
     RunConfig,
-    encode_rows,
+    encode_by_category,
     make_any_drafter,
     merged,
     mode_stats,
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, dtype="float32")
     rows = select_rows(load_prompt_set(args.dataset), categories=args.categories, per_category=args.per_category)
-    groups: dict[str, list[list[int]]] = {}
-    for row, ids in zip(rows, encode_rows(model, rows)):
-        groups.setdefault(row["category"], []).append(ids)
+    groups = encode_by_category(model, rows)
     run = RunConfig(max_new_tokens=args.max_new_tokens, batch_size=1)
     tree = chain(args.num_draft)
     modes = {"ar": (None, None)} | {d: make_any_drafter(d, tree, model) for d in args.drafts}

@@ -103,6 +103,14 @@ def encode_rows(model, rows: Sequence[dict], chat: bool = True) -> list[list[int
     return [tok.encode_chat(r["prompt"]) if chat else tok.encode(r["prompt"]) for r in rows]
 
 
+def encode_by_category(model, rows: Sequence[dict], chat: bool = True) -> dict[str, list[list[int]]]:
+    """Token ids of rows (`encode_rows`) grouped by their "category", in first-seen order."""
+    groups: dict[str, list[list[int]]] = {}
+    for row, ids in zip(rows, encode_rows(model, rows, chat)):
+        groups.setdefault(row["category"], []).append(ids)
+    return groups
+
+
 def make_any_drafter(spec: str, tree, model, dtype: str = "float32"):
     """(drafter, params) for a --draft spec, from the drafter registry."""
     from specjax.drafters.registry import make_drafter
@@ -436,10 +444,8 @@ def run_bench(
     command: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
 ) -> dict:
     """Benchmarks `drafter` against plain decoding on rows ({"category", "prompt"}) -> report."""
-    ids = encode_rows(model, rows, chat)
-    groups: dict[str, list[list[int]]] = {}
-    for row, row_ids in zip(rows, ids):
-        groups.setdefault(row["category"], []).append(row_ids)
+    groups = encode_by_category(model, rows, chat)
+    ids = [p for group in groups.values() for p in group]
     records = measure(model, groups, run, drafter, drafter_params, repeats=repeats, log=log)
     costs = profile_ideal(model, drafter, drafter_params, run, ids) if ideal else None
     config = {

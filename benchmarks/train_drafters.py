@@ -68,7 +68,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--kinds", default="eagle3,dflash,dspark,mtp,medusa")
-    p.add_argument("--prompts", default=str(SPEC_BENCH))
+    p.add_argument("--prompts", nargs="+", default=[str(SPEC_BENCH)],
+                   help="training prompt sources (JSONL files or the named sets gsm8k, humaneval), "
+                        "pooled in order; MT-bench categories are always left out")
     p.add_argument("--train-prompts", type=int, default=256)
     p.add_argument("--eval-prompts", type=int, default=16, help="MT-bench first turns (2 per category)")
     p.add_argument("--steps", type=int, default=200)
@@ -83,6 +85,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from specjax.cli import read_prompts
+    from specjax.datasets import load_prompt_set
     from specjax.drafters.learned import drafter_params, make_learned_drafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.models.hub import load_model
@@ -93,8 +96,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.target)
     tok = model.tokenizer
-    rows = read_prompts(args.prompts)
-    train_rows = [r for r in rows if r["category"] not in MT_BENCH][: args.train_prompts]
+    pooled = [r for source in args.prompts for r in load_prompt_set(source)]
+    train_rows = [r for r in pooled if r["category"] not in MT_BENCH][: args.train_prompts]
+    rows = read_prompts(SPEC_BENCH)  # the held-out evaluation prompts
     per_cat = max(1, args.eval_prompts // len(MT_BENCH))
     eval_rows = [r for c in MT_BENCH for r in [x for x in rows if x["category"] == c][:per_cat]]
     eval_ids = [tok.encode_chat(r["prompt"]) for r in eval_rows]

@@ -188,7 +188,8 @@ def add_subcommands(sub) -> None:
     tune.add_argument("--check", type=int, default=3, help="run the best N for real (0: skip)")
     tune.add_argument("--sweep", action="store_true", help="run every candidate for real")
     tune.add_argument("--profile-repeats", type=int, default=5)
-    tune.add_argument("--measure-repeats", type=int, default=2,
-                      help="round-robin passes per measured candidate")
+    tune.add_argument("--measure-repeats", type=int, default=3,
+                      help="passes over the prompts per measured candidate (each batch's "
+                           "median time counts; step costs are re-profiled before each pass)")
     tune.add_argument("--no-step-profile", action="store_true")
     tune.set_defaults(func=cmd_tune)

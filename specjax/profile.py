@@ -290,6 +290,18 @@ def draft_latency(cfg, params, drafter, drafter_params, batch_size: int, *, cont
     return _median(timer, repeats, warmup)
 
 
+def step_costs(model, batch_size: int, drafters: dict[str, tuple[Any, Any]], *, context: int,
+               capacity: int | None = None, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """T_step(B, .) in seconds per labelled (drafter, drafter params), and T_ar(B) under "0":
+    only the whole-step timers, round-robin, for a quick re-profile."""
+    cfg, params = model.cfg, model.params
+    where = dict(context=context, capacity=capacity, calls=repeats + warmup)
+    timers = {"0": ar_step_timer(cfg, params, batch_size, **where)}
+    for label, (drafter, dparams) in drafters.items():
+        timers[label] = step_timer(cfg, params, drafter, dparams, batch_size, **where)
+    return interleaved_medians(timers, repeats=repeats, warmup=warmup)
+
+
 # ---------------------------------------------------------------------------------------------
 # Profiles
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ for batch size B and draft shape c (a chain of D, a tree preset, or none):
   (draft, verify, accept, commit, bookkeeping; T_ar(B) without speculation): the ranking uses
   it when measured, since it includes the loop's own overheads.
 
+The pick: the model ranks every candidate; when the tuner checks itself (`check` > 0) it runs
+the best `check` for real and picks the fastest of them (candidates predicted within a few %
+of each other are otherwise ordered by the noise in the model's inputs), reporting the model's
+own first choice beside it. Before each measuring pass the whole-step costs are re-profiled,
+so the check also compares the measurement with a prediction from costs taken under the same
+load ("predicted_tps_check").
+
 The analytic starting points printed beside the measured choice: D = 128/G - 1 (G query heads
 per KV head: one verify-attention tile of G x (1 + D) rows), the tile-aligned D with
 G x (1 + D) a multiple of 128, and the D at which the target's GEMMs (M = B x (1 + D) rows)
@@ -39,11 +46,10 @@ from specjax.bench import (
     RunConfig,
     generate_batches,
     make_any_drafter,
-    mode_stats,
     timed_run,
     warm_up,
 )
-from specjax.profile import LatencyProfile, profile_latency
+from specjax.profile import LatencyProfile, profile_latency, step_costs
 from specjax.schedule import Bucket, Schedule, draft_tree, shape_label
 
 TILE_ROWS = 128
@@ -249,10 +255,28 @@ def predictions(cal: Calibration, prof: LatencyProfile, candidates: Sequence[Can
 # ---------------------------------------------------------------------------------------------
 
 
+def median_rates(chunk_passes: Sequence[Sequence[ModeRecord]]) -> dict[str, float]:
+    """Tokens/s of one candidate from repeated passes over the same chunks of prompts:
+    chunk_passes[c][r] is chunk c's record in pass r. Each chunk's times (and token counts) are
+    the medians over its passes, so one pass slowed by a load burst does not move the result:
+    {"decode_tokens_per_s", "tokens_per_s"} = summed tokens / summed median seconds."""
+    med = lambda fn, passes: statistics.median(fn(rec) for rec in passes)  # noqa: E731
+    tokens = sum(med(lambda r: r.new_tokens, ps) for ps in chunk_passes)
+    decode_tokens = sum(med(lambda r: r.new_tokens - r.first_tokens, ps) for ps in chunk_passes)
+    time_s = sum(med(lambda r: sum(r.batch_times), ps) for ps in chunk_passes)
+    decode_s = sum(med(lambda r: sum(r.batch_times) - sum(r.ttfts), ps) for ps in chunk_passes)
+    return {"tokens_per_s": tokens / time_s,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None}
+
+
 def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequence[dict],
-                       dtype: str = "float32", repeats: int = 1) -> dict[str, dict]:
+                       dtype: str = "float32", repeats: int = 3,
+                       before_pass: Callable[[int], None] | None = None) -> dict[str, dict]:
     """Real decode throughput of each candidate (prediction rows) at run.batch_size:
-    label -> {"decode_tokens_per_s", "tokens_per_s"}."""
+    label -> {"decode_tokens_per_s", "tokens_per_s"} (`median_rates` over `repeats` passes).
+
+    The candidates take turns batch by batch (rotating who goes first), so a drifting load
+    hits every candidate alike; before_pass(r) runs before pass r (the tuner re-profiles there)."""
     modes = {}
     for row in labels:
         cand = Candidate(row["num_draft"], row["tree"])
@@ -261,16 +285,56 @@ def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequ
         else:
             modes[cand.label] = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
     warm_up(model, [ids], run, list(modes.values()))
-    records = {label: ModeRecord() for label in modes}
+    starts = range(0, len(ids), run.batch_size)
+    records = {label: [[] for _ in starts] for label in modes}
     order = list(modes.items())
-    for rep in range(repeats):  # round-robin per batch: drifting load hits every candidate alike
-        for start in range(0, len(ids), run.batch_size):
-            chunk = ids[start : start + run.batch_size]
-            turn = rep * len(ids) + start
+    for rep in range(repeats):
+        if before_pass is not None:
+            before_pass(rep)
+        for chunk, start in enumerate(starts):
+            turn = rep * len(starts) + chunk
             for label, (drafter, params) in order[turn % len(order):] + order[: turn % len(order)]:
-                records[label].add(timed_run(model, chunk, run, drafter, params))
-    return {label: {k: mode_stats(rec)[k] for k in ("decode_tokens_per_s", "tokens_per_s")}
-            for label, rec in records.items()}
+                rec = timed_run(model, ids[start : start + run.batch_size], run, drafter, params)
+                records[label][chunk].append(rec)
+    return {label: median_rates(chunks) | {"tokens_per_step": measured_tokens_per_step(chunks)}
+            for label, chunks in records.items()}
+
+
+def measured_tokens_per_step(chunk_passes: Sequence[Sequence[ModeRecord]]) -> float:
+    """The acceptance length of the first pass over all chunks (1.0 without speculation)."""
+    from specjax.metrics import job_summary
+
+    rows = [row for passes in chunk_passes for row in passes[0].spec_rows]
+    return job_summary(rows)["acceptance_length"] if rows else 1.0
+
+
+def sweep_summary(preds: Sequence[dict], pick: str) -> dict:
+    """The sweep's best measured candidate, and the pick's and the model's first choice's
+    throughput relative to it (preds: ranked prediction rows, all measured)."""
+    tps = {p["label"]: p["measured_tps"] or 0.0 for p in preds}
+    best = max(tps, key=tps.get)
+    return {"best": best, "best_tps": tps[best], "pick_tps": tps[pick],
+            "pick_vs_best": tps[pick] / tps[best], "model_pick": preds[0]["label"],
+            "model_pick_vs_best": tps[preds[0]["label"]] / tps[best]}
+
+
+def check_row(cal: Calibration, pred: dict, batch_size: int, rechecks: Sequence[dict[str, float]]) -> dict:
+    """Predicted vs measured for one candidate. With re-profiled step costs (one dict per
+    measuring pass), also the prediction from their median ("..._check") and that cost over
+    the one the pick was made with ("step_drift": > 1 when the machine slowed meanwhile)."""
+    row = {"label": pred["label"], "predicted_tps": pred["predicted_tps"],
+           "predicted_tps_step": pred["predicted_tps_step"], "measured_tps": pred["measured_tps"],
+           "measured_over_predicted": (pred["measured_tps"] or 0.0) / pred["rank_tps"],
+           "tokens_per_step": pred["tokens_per_step"],
+           "measured_tokens_per_step": pred.get("measured_tokens_per_step")}
+    if rechecks:
+        t_step = statistics.median(r[pred["label"]] for r in rechecks)
+        tps = cal.row_tps(Candidate(pred["num_draft"], pred["tree"]))
+        row["t_step_check_s"] = t_step
+        row["predicted_tps_check"] = predict(cal.row_tokens, tps, batch_size, t_step)["tokens_per_s"]
+        row["measured_over_predicted_check"] = (pred["measured_tps"] or 0.0) / row["predicted_tps_check"]
+        row["step_drift"] = t_step / pred["t_step_s"] if pred["t_step_s"] else None
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +353,7 @@ class TuneConfig:
     step_profile: bool = True
     check: int = 3  # measure the best `check` candidates per batch size (0 = no self-check)
     sweep: bool = False  # measure every candidate (to judge the pick)
-    measure_repeats: int = 2  # round-robin passes over the prompts per measured candidate
+    measure_repeats: int = 3  # passes over the prompts per measured candidate (medians per batch)
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -342,31 +406,33 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
             "knee_num_draft": knee(prof, b),
         }
         measure_top = preds if tc.sweep else preds[: tc.check]
+        entry["model_pick"] = preds[0]["label"]
         if measure_top:
             brun = dataclasses.replace(run, batch_size=b)
+            # the step costs are re-profiled before every measuring pass: the check then also
+            # predicts from costs taken under the load the measurement ran under
+            rechecks: list[dict[str, float]] = []
+            check_drafters = {p["label"]: drafters[p["label"]] for p in measure_top if p["label"] != "0"}
+            reprofile = lambda _rep: rechecks.append(step_costs(  # noqa: E731
+                model, b, check_drafters, context=context, capacity=capacity,
+                repeats=tc.profile_repeats))
             measured = measure_candidates(model, ids, brun, draft_spec, measure_top, tc.dtype,
-                                          tc.measure_repeats)
+                                          tc.measure_repeats, reprofile if tc.step_profile else None)
             for p in preds:
                 p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
-            entry["check"] = [
-                {"label": p["label"], "predicted_tps": p["predicted_tps"],
-                 "predicted_tps_step": p["predicted_tps_step"], "measured_tps": p["measured_tps"],
-                 "measured_over_predicted": (p["measured_tps"] or 0.0) / p["rank_tps"]}
-                for p in preds[: tc.check]
-            ]
+                p["measured_tokens_per_step"] = measured.get(p["label"], {}).get("tokens_per_step")
+            entry["check"] = [check_row(cal, p, b, rechecks) for p in preds[: tc.check]]
+            # the model narrows the field, the measurement settles it: candidates predicted
+            # within a few % of each other are often ordered by noise in the model's inputs
+            entry["pick"] = max(preds[: tc.check], key=lambda p: p["measured_tps"] or 0.0)["label"]
             if tc.sweep:
-                best = max(preds, key=lambda p: p["measured_tps"] or 0.0)
-                pick = preds[0]
-                entry["sweep"] = {
-                    "best": best["label"], "best_tps": best["measured_tps"],
-                    "pick_tps": pick["measured_tps"],
-                    "pick_vs_best": (pick["measured_tps"] or 0.0) / best["measured_tps"],
-                }
+                entry["sweep"] = sweep_summary(preds, entry["pick"])
         report["batch_sizes"][b] = entry
-        top = preds[0]
+        top = next(p for p in preds if p["label"] == entry["pick"])
         buckets.append(Bucket(
             batch_size=b, num_draft=top["num_draft"], tree=top["tree"],
-            extra={"predicted_tokens_per_s": round(top["rank_tps"], 2)},
+            extra={"predicted_tokens_per_s": round(top["rank_tps"], 2)}
+            | ({"measured_tokens_per_s": round(top["measured_tps"], 2)} if top.get("measured_tps") else {}),
         ))
         for line in format_batch(b, entry, report["analytic"]):
             log(line)
@@ -392,13 +458,22 @@ def format_batch(batch_size: int, entry: dict, analytic: dict) -> list[str]:
         )
     mb = entry["memory_bound"]
     lines.append(
-        f"pick: {entry['pick']} | analytic: 128/G-1 = {analytic['tile']} (G={analytic['group_size']}), "
+        f"pick: {entry['pick']} (the model's first choice: {entry.get('model_pick', entry['pick'])}) | analytic: 128/G-1 = {analytic['tile']} (G={analytic['group_size']}), "
         f"tile-aligned D = {analytic['aligned'] or 'none <= max_draft'}, GEMMs leave the "
         f"memory-bound region at B(1+D) >= {mb['rows']} (D >= {mb['num_draft']}), "
         f"measured knee (T_target within 10% of T=1): D = {entry['knee_num_draft']}"
     )
+    for c in entry.get("check", []):
+        line = (f"check {c['label']}: measured {fmt(c['measured_tps'], '.1f')} tok/s = "
+                f"{c['measured_over_predicted']:.2f} x predicted, {fmt(c['measured_tokens_per_step'], '.2f')} "
+                f"tokens/step (predicted {c['tokens_per_step']:.2f})")
+        if "predicted_tps_check" in c:
+            line += (f"; {c['measured_over_predicted_check']:.2f} x the prediction from step costs "
+                     f"re-profiled during the check ({fmt(c['step_drift'], '.2f')} x the pick's)")
+        lines.append(line)
     if "sweep" in entry:
         s = entry["sweep"]
         lines.append(f"sweep: best {s['best']} at {s['best_tps']:.1f} tok/s; pick reaches "
-                     f"{s['pick_vs_best']:.1%} of it")
+                     f"{s['pick_vs_best']:.1%} of it (the model's first choice {s['model_pick']}: "
+                     f"{s['model_pick_vs_best']:.1%})")
     return lines

@@ -231,3 +231,70 @@ def test_measure_candidates_runs_each_shape(tiny_model):
                              [{"num_draft": 0, "tree": None}, {"num_draft": 2, "tree": None}])
     assert set(got) == {"0", "2"}
     assert all(v["tokens_per_s"] > 0 for v in got.values())
+
+
+def test_sweep_summary_compares_the_pick_and_the_model_choice():
+    from specjax.tune import sweep_summary
+
+    preds = [{"label": "2", "measured_tps": 90.0}, {"label": "1", "measured_tps": 100.0},
+             {"label": "0", "measured_tps": 80.0}]
+    got = sweep_summary(preds, pick="1")
+    assert (got["best"], got["pick_vs_best"], got["model_pick"]) == ("1", 1.0, "2")
+    assert got["model_pick_vs_best"] == pytest.approx(0.9)
+
+
+def test_median_rates_ignore_one_slow_pass():
+    """Per batch, the median over passes counts: a pass slowed 10x by a load burst is ignored."""
+    from specjax.bench import ModeRecord
+    from specjax.tune import median_rates
+
+    def rec(total, ttft):  # 2 rows, 10 new tokens each (the first from prefill)
+        return ModeRecord(new_tokens=20, first_tokens=2, batch_times=[total], ttfts=[ttft])
+
+    chunk_a = [rec(1.0, 0.1), rec(10.0, 1.0), rec(1.2, 0.2)]  # medians: 1.2 s, decode 1.0 s
+    chunk_b = [rec(2.0, 0.5), rec(2.0, 0.5), rec(2.0, 0.5)]  # 2.0 s, decode 1.5 s
+    got = median_rates([chunk_a, chunk_b])
+    assert got["tokens_per_s"] == pytest.approx(40 / 3.2)
+    assert got["decode_tokens_per_s"] == pytest.approx(36 / 2.5)
+
+
+def test_tune_end_to_end_with_a_forced_drafter(tiny_model):
+    """The whole tuner on a tiny model: calibration, profile, ranking, the check with step
+    costs re-profiled before every pass, the sweep, and a schedule that loads."""
+    from specjax.bench import RunConfig, encode_rows
+    from specjax.datasets import synthetic_rows
+    from specjax.tune import TuneConfig, tune
+
+    cfg, params = tiny_model
+
+    class Model:
+        pass
+
+    model = Model()
+    model.cfg, model.params, model.tokenizer = cfg, params, None
+    ids = encode_rows(model, synthetic_rows(2, 12))
+    run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
+    tc = TuneConfig(batch_sizes=(2,), max_draft=2, draft_lengths=(1, 2), calib_batch_size=2,
+                    profile_repeats=2, check=2, sweep=True, measure_repeats=2)
+    passes = []
+    report = tune(model, ids, "forced:1.0,1.0", run, tc, log=passes.append)
+    entry = report["batch_sizes"][2]
+    labels = [p["label"] for p in entry["predictions"]]
+    assert sorted(labels) == ["0", "1", "2"]
+    # forced full acceptance: E[tokens/step] = 1 + D exactly
+    assert {p["label"]: p["tokens_per_step"] for p in entry["predictions"]} == pytest.approx(
+        {"0": 1.0, "1": 2.0, "2": 3.0})
+    assert all(p["measured_tps"] > 0 for p in entry["predictions"])  # the sweep ran them all
+    assert [c["label"] for c in entry["check"]] == labels[:2]
+    for c in entry["check"]:
+        assert c["t_step_check_s"] > 0 and c["step_drift"] > 0
+        assert c["measured_over_predicted_check"] == pytest.approx(c["measured_tps"] / c["predicted_tps_check"])
+        assert c["measured_tokens_per_step"] == pytest.approx(c["tokens_per_step"], rel=0.1)
+    # the model's first choice, and the pick: the fastest measured of the checked two
+    checked = {c["label"]: c["measured_tps"] for c in entry["check"]}
+    assert entry["model_pick"] == labels[0] and entry["pick"] == max(checked, key=checked.get)
+    sweep = entry["sweep"]
+    assert sweep["best"] in labels and 0 < sweep["model_pick_vs_best"] <= sweep["pick_vs_best"] <= 1
+    schedule = Schedule.from_dict(report["schedule"])
+    assert schedule.buckets[0].label == entry["pick"]
+    assert any(line.startswith("check ") for line in passes)

@@ -129,7 +129,7 @@ def cmd_tune(args) -> int:
         draft_lengths=_ints(args.draft_lengths), trees=_names(args.trees),
         calib_batch_size=args.batch_size, profile_repeats=args.profile_repeats,
         step_profile=not args.no_step_profile, check=args.check, sweep=args.sweep, dtype=args.dtype,
-        measure_repeats=args.measure_repeats,
+        measure_repeats=args.measure_repeats, calibrate_each=not args.calibrate_once,
     )
     report = tune(model, encode_rows(model, rows, not args.no_chat), args.draft,
                   _run_config(args, model, args.batch_size), tc, log=_say, model_name=args.model)
@@ -192,4 +192,7 @@ def add_subcommands(sub) -> None:
                       help="passes over the prompts per measured candidate (each batch's "
                            "median time counts; step costs are re-profiled before each pass)")
     tune.add_argument("--no-step-profile", action="store_true")
+    tune.add_argument("--calibrate-once", action="store_true",
+                      help="calibrate from one chain of --max-draft (faster; underestimates short "
+                           "chains) instead of one run per candidate")
     tune.set_defaults(func=cmd_tune)

@@ -5,9 +5,12 @@ for batch size B and draft shape c (a chain of D, a tree preset, or none):
 
     tokens/s(c, B) = E[tokens per step](c) x B x U(c, B) / (T_target(B, 1 + N_c) + T_draft(B, c))
 
-- E: from a calibration run with a chain of max_draft: per row, E_i(D) = 1 + sum_{j<D}
-  joint_ij (a chain of D drafts a prefix of the long chain's draft; the drafters here are
-  prefix-consistent); a tree's E is its measured AL. No speculation: E = 1.
+- E: by default every candidate is calibrated by its own run, E_i = row i's measured AL
+  (`calibrate_each`). The fast alternative runs one chain of max_draft and takes E_i(D) =
+  1 + sum_{j<D} joint_ij: a chain of D drafts a prefix of the long chain's draft, but the
+  step boundaries move with D, and a short chain spends more of its steps inside the runs it
+  copies, so this underestimates short chains (n-gram on SmolLM2: D = 3 measured 1.77 tokens
+  per step, 1.62 from the chain of 8). A tree's E is always its measured AL. No speculation: E = 1.
 - U: batch utilisation. A batch runs until its slowest row is done, so with per-row steps
   s_i = (tokens_i - 1) / E_i, U = sum_i s_i / (B x sum over batches of max_i s_i) (U = 1 at
   B = 1); computed from the calibration rows grouped as the real run groups them.
@@ -188,16 +191,19 @@ def draft_grid(max_draft: int) -> list[int]:
 @dataclasses.dataclass
 class Calibration:
     """Per-row measurements of the calibration run: emitted tokens, joint acceptance per
-    position (chain of max_draft), speculative summaries, and each tree's per-row AL."""
+    position (chain of max_draft), speculative summaries, and the per-row AL of each shape
+    that ran on its own (trees always; chains with calibrate_each), keyed by Candidate.label."""
 
     row_tokens: list[int]
     row_joint: list[list[float]]
     spec_rows: list[dict]
-    tree_tps: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    measured_tps: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def row_tps(self, cand: Candidate) -> list[float]:
+        if cand.label in self.measured_tps:
+            return self.measured_tps[cand.label]
         if cand.tree:
-            return self.tree_tps[cand.tree]
+            raise KeyError(f"tree {cand.tree!r} was not calibrated")
         return [chain_tokens_per_step(j, cand.num_draft) for j in self.row_joint]
 
     def acceptance(self) -> dict:
@@ -207,9 +213,10 @@ class Calibration:
         return job_summary(self.spec_rows)
 
 
-def calibrate(model, ids, run: RunConfig, draft_spec: str, max_draft: int, trees: Sequence[str],
-              dtype: str = "float32") -> Calibration:
-    """Runs the drafter as a chain of max_draft (and each tree) over ids; per-row profiles."""
+def calibrate(model, ids, run: RunConfig, draft_spec: str, max_draft: int,
+              candidates: Sequence[Candidate], dtype: str = "float32", each: bool = True) -> Calibration:
+    """Runs the drafter as a chain of max_draft over ids, then each tree candidate (and, when
+    `each`, each chain candidate) on its own; per-row profiles."""
     drafter, params = make_any_drafter(draft_spec, draft_tree(max_draft), model, dtype)
     results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
     cal = Calibration(
@@ -217,10 +224,13 @@ def calibrate(model, ids, run: RunConfig, draft_spec: str, max_draft: int, trees
         row_joint=[r.spec["joint_acceptance"] for r in results],
         spec_rows=[r.spec for r in results],
     )
-    for name in trees:
-        drafter, params = make_any_drafter(draft_spec, draft_tree(tree=name), model, dtype)
+    own_runs = [c for c in candidates if c.tree or (each and 0 < c.num_draft < max_draft)]
+    for cand in own_runs:
+        drafter, params = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
         results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
-        cal.tree_tps[name] = [r.spec["acceptance_length"] for r in results]
+        cal.measured_tps[cand.label] = [r.spec["acceptance_length"] for r in results]
+    if each:
+        cal.measured_tps[str(max_draft)] = [r["acceptance_length"] for r in cal.spec_rows]
     return cal
 
 
@@ -313,6 +323,8 @@ def sweep_summary(preds: Sequence[dict], pick: str) -> dict:
     throughput relative to it (preds: ranked prediction rows, all measured)."""
     tps = {p["label"]: p["measured_tps"] or 0.0 for p in preds}
     best = max(tps, key=tps.get)
+    if not tps[best]:
+        raise ValueError("the sweep measured no decode time (runs too short to time?)")
     return {"best": best, "best_tps": tps[best], "pick_tps": tps[pick],
             "pick_vs_best": tps[pick] / tps[best], "model_pick": preds[0]["label"],
             "model_pick_vs_best": tps[preds[0]["label"]] / tps[best]}
@@ -349,6 +361,7 @@ class TuneConfig:
     draft_lengths: tuple[int, ...] | None = None  # default: draft_grid(max_draft)
     trees: tuple[str, ...] = ()
     calib_batch_size: int = 4
+    calibrate_each: bool = True  # every candidate's own calibration run (else: from the longest chain)
     profile_repeats: int = 5
     step_profile: bool = True
     check: int = 3  # measure the best `check` candidates per batch size (0 = no self-check)
@@ -372,8 +385,9 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
     max_draft = max([tc.max_draft] + [c.num_draft for c in cands])
     start = time.perf_counter()
     cal = calibrate(model, ids, dataclasses.replace(run, batch_size=tc.calib_batch_size),
-                    draft_spec, max_draft, tc.trees, tc.dtype)
-    log(f"calibration: {len(ids)} prompts, chain of {max_draft}, "
+                    draft_spec, max_draft, cands, tc.dtype, tc.calibrate_each)
+    log(f"calibration: {len(ids)} prompts, chain of {max_draft}"
+        f"{' and each candidate' if tc.calibrate_each else ''}, "
         f"{time.perf_counter() - start:.0f} s")
 
     context = int(np.mean([len(p) for p in ids])) + run.max_new_tokens // 2
@@ -383,7 +397,8 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
     report = {
         "model": model.cfg.name, "draft": draft_spec,
         "calibration": {"num_prompts": len(ids), "max_draft": max_draft,
-                        "acceptance": cal.acceptance()},
+                        "acceptance": cal.acceptance(),
+                        "own_runs": {k: float(np.mean(v)) for k, v in cal.measured_tps.items()}},
         "roofline": roof,
         "analytic": {"group_size": model.cfg.group_size,
                      **tile_draft_lengths(model.cfg.group_size, max_draft)},

@@ -233,6 +233,17 @@ def test_measure_candidates_runs_each_shape(tiny_model):
     assert all(v["tokens_per_s"] > 0 for v in got.values())
 
 
+def test_calibration_prefers_a_candidates_own_run():
+    """A chain calibrated on its own uses its measured per-row AL; others fall back to the
+    long chain's joint acceptance; an uncalibrated tree is an error, not a guess."""
+    cal = Calibration(row_tokens=[9, 9], row_joint=[[0.5, 0.5, 0.5]] * 2, spec_rows=[],
+                      measured_tps={"2": [1.9, 2.1]})
+    assert cal.row_tps(Candidate(2)) == [1.9, 2.1]
+    assert cal.row_tps(Candidate(1)) == [1.5, 1.5]
+    with pytest.raises(KeyError, match="not calibrated"):
+        cal.row_tps(Candidate(tree="eagle_small"))
+
+
 def test_sweep_summary_compares_the_pick_and_the_model_choice():
     from specjax.tune import sweep_summary
 
@@ -273,11 +284,13 @@ def test_tune_end_to_end_with_a_forced_drafter(tiny_model):
     model = Model()
     model.cfg, model.params, model.tokenizer = cfg, params, None
     ids = encode_rows(model, synthetic_rows(2, 12))
-    run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
+    # long enough that decode time (full run - first-token run) stays well above timer noise
+    run = RunConfig(max_new_tokens=64, batch_size=2, ignore_eos=True)
     tc = TuneConfig(batch_sizes=(2,), max_draft=2, draft_lengths=(1, 2), calib_batch_size=2,
                     profile_repeats=2, check=2, sweep=True, measure_repeats=2)
     passes = []
     report = tune(model, ids, "forced:1.0,1.0", run, tc, log=passes.append)
+    assert set(report["calibration"]["own_runs"]) == {"1", "2"}
     entry = report["batch_sizes"][2]
     labels = [p["label"] for p in entry["predictions"]]
     assert sorted(labels) == ["0", "1", "2"]

@@ -323,11 +323,10 @@ def sweep_summary(preds: Sequence[dict], pick: str) -> dict:
     throughput relative to it (preds: ranked prediction rows, all measured)."""
     tps = {p["label"]: p["measured_tps"] or 0.0 for p in preds}
     best = max(tps, key=tps.get)
-    if not tps[best]:
-        raise ValueError("the sweep measured no decode time (runs too short to time?)")
-    return {"best": best, "best_tps": tps[best], "pick_tps": tps[pick],
-            "pick_vs_best": tps[pick] / tps[best], "model_pick": preds[0]["label"],
-            "model_pick_vs_best": tps[preds[0]["label"]] / tps[best]}
+    # None: no decode time was measured at all (runs too short to time)
+    relative = lambda label: tps[label] / tps[best] if tps[best] else None  # noqa: E731
+    return {"best": best, "best_tps": tps[best], "pick_tps": tps[pick], "pick_vs_best": relative(pick),
+            "model_pick": preds[0]["label"], "model_pick_vs_best": relative(preds[0]["label"])}
 
 
 def check_row(cal: Calibration, pred: dict, batch_size: int, rechecks: Sequence[dict[str, float]]) -> dict:
@@ -374,6 +373,34 @@ class TuneConfig:
             raise ValueError(f"tune needs batch sizes >= 1, got {self.batch_sizes}")
 
 
+def self_check(model, ids, run: RunConfig, draft_spec: str, tc: TuneConfig, cal: Calibration,
+               preds: list[dict], drafters: dict, context: int, capacity: int) -> dict:
+    """Runs the best tc.check predictions (every one with tc.sweep) for real at run.batch_size,
+    re-profiling their step costs before each pass; fills each prediction row's measured
+    fields and returns the entry's "check" rows, the measured "pick" and the "sweep" summary."""
+    measure_top = preds if tc.sweep else preds[: tc.check]
+    rechecks: list[dict[str, float]] = []
+    check_drafters = {p["label"]: drafters[p["label"]] for p in measure_top if p["label"] != "0"}
+
+    def reprofile(_pass: int) -> None:
+        rechecks.append(step_costs(model, run.batch_size, check_drafters, context=context,
+                                   capacity=capacity, repeats=tc.profile_repeats))
+
+    measured = measure_candidates(model, ids, run, draft_spec, measure_top, tc.dtype,
+                                  tc.measure_repeats, reprofile if tc.step_profile else None)
+    for p in preds:
+        p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
+        p["measured_tokens_per_step"] = measured.get(p["label"], {}).get("tokens_per_step")
+    out = {"check": [check_row(cal, p, run.batch_size, rechecks) for p in preds[: tc.check]]}
+    if out["check"]:
+        # the model narrows the field, the measurement settles it: candidates predicted within
+        # a few % of each other are otherwise ordered by the noise in the model's inputs
+        out["pick"] = max(preds[: tc.check], key=lambda p: p["measured_tps"] or 0.0)["label"]
+    if tc.sweep:
+        out["sweep"] = sweep_summary(preds, out.get("pick", preds[0]["label"]))
+    return out
+
+
 def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConfig, tc: TuneConfig,
          log: Callable[[str], None] = lambda _: None, model_name: str | None = None) -> dict:
     """Calibrate, profile, predict, check; returns the report (schedule in report["schedule"]).
@@ -417,31 +444,13 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         entry = {
             "predictions": preds,
             "pick": preds[0]["label"],
+            "model_pick": preds[0]["label"],
             "memory_bound": memory_bound_draft(model.cfg, b, roof["ridge"]),
             "knee_num_draft": knee(prof, b),
         }
-        measure_top = preds if tc.sweep else preds[: tc.check]
-        entry["model_pick"] = preds[0]["label"]
-        if measure_top:
-            brun = dataclasses.replace(run, batch_size=b)
-            # the step costs are re-profiled before every measuring pass: the check then also
-            # predicts from costs taken under the load the measurement ran under
-            rechecks: list[dict[str, float]] = []
-            check_drafters = {p["label"]: drafters[p["label"]] for p in measure_top if p["label"] != "0"}
-            reprofile = lambda _rep: rechecks.append(step_costs(  # noqa: E731
-                model, b, check_drafters, context=context, capacity=capacity,
-                repeats=tc.profile_repeats))
-            measured = measure_candidates(model, ids, brun, draft_spec, measure_top, tc.dtype,
-                                          tc.measure_repeats, reprofile if tc.step_profile else None)
-            for p in preds:
-                p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
-                p["measured_tokens_per_step"] = measured.get(p["label"], {}).get("tokens_per_step")
-            entry["check"] = [check_row(cal, p, b, rechecks) for p in preds[: tc.check]]
-            # the model narrows the field, the measurement settles it: candidates predicted
-            # within a few % of each other are often ordered by noise in the model's inputs
-            entry["pick"] = max(preds[: tc.check], key=lambda p: p["measured_tps"] or 0.0)["label"]
-            if tc.sweep:
-                entry["sweep"] = sweep_summary(preds, entry["pick"])
+        if tc.sweep or tc.check:
+            entry |= self_check(model, ids, dataclasses.replace(run, batch_size=b), draft_spec, tc,
+                                cal, preds, drafters, context, capacity)
         report["batch_sizes"][b] = entry
         top = next(p for p in preds if p["label"] == entry["pick"])
         buckets.append(Bucket(
@@ -489,6 +498,6 @@ def format_batch(batch_size: int, entry: dict, analytic: dict) -> list[str]:
     if "sweep" in entry:
         s = entry["sweep"]
         lines.append(f"sweep: best {s['best']} at {s['best_tps']:.1f} tok/s; pick reaches "
-                     f"{s['pick_vs_best']:.1%} of it (the model's first choice {s['model_pick']}: "
-                     f"{s['model_pick_vs_best']:.1%})")
+                     f"{fmt(s['pick_vs_best'], '.1%')} of it (the model's first choice {s['model_pick']}: "
+                     f"{fmt(s['model_pick_vs_best'], '.1%')})")
     return lines

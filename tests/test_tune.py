@@ -297,17 +297,24 @@ def test_tune_end_to_end_with_a_forced_drafter(tiny_model):
     # forced full acceptance: E[tokens/step] = 1 + D exactly
     assert {p["label"]: p["tokens_per_step"] for p in entry["predictions"]} == pytest.approx(
         {"0": 1.0, "1": 2.0, "2": 3.0})
-    assert all(p["measured_tps"] > 0 for p in entry["predictions"])  # the sweep ran them all
+    # the sweep ran them all (a tiny model's decode time, a run minus its first-token run, can
+    # drown in timer noise on a loaded machine: then measured_tps is None, never a wrong rate)
+    assert all(p["measured_tokens_per_step"] == pytest.approx(p["tokens_per_step"], rel=0.1)
+               for p in entry["predictions"])
+    timed = {p["label"]: p["measured_tps"] for p in entry["predictions"] if p["measured_tps"] is not None}
+    assert all(v > 0 for v in timed.values())
     assert [c["label"] for c in entry["check"]] == labels[:2]
     for c in entry["check"]:
         assert c["t_step_check_s"] > 0 and c["step_drift"] > 0
-        assert c["measured_over_predicted_check"] == pytest.approx(c["measured_tps"] / c["predicted_tps_check"])
-        assert c["measured_tokens_per_step"] == pytest.approx(c["tokens_per_step"], rel=0.1)
+        if c["measured_tps"] is not None:
+            assert c["measured_over_predicted_check"] == pytest.approx(c["measured_tps"] / c["predicted_tps_check"])
     # the model's first choice, and the pick: the fastest measured of the checked two
-    checked = {c["label"]: c["measured_tps"] for c in entry["check"]}
+    checked = {c["label"]: c["measured_tps"] or 0.0 for c in entry["check"]}
     assert entry["model_pick"] == labels[0] and entry["pick"] == max(checked, key=checked.get)
     sweep = entry["sweep"]
-    assert sweep["best"] in labels and 0 < sweep["model_pick_vs_best"] <= sweep["pick_vs_best"] <= 1
+    assert sweep["best"] in labels
+    if timed:
+        assert 0 <= sweep["model_pick_vs_best"] <= sweep["pick_vs_best"] <= 1
     schedule = Schedule.from_dict(report["schedule"])
     assert schedule.buckets[0].label == entry["pick"]
     assert any(line.startswith("check ") for line in passes)

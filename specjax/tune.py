@@ -425,7 +425,9 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         "model": model.cfg.name, "draft": draft_spec,
         "calibration": {"num_prompts": len(ids), "max_draft": max_draft,
                         "acceptance": cal.acceptance(),
-                        "own_runs": {k: float(np.mean(v)) for k, v in cal.measured_tps.items()}},
+                        # E[tokens per step] of each shape calibrated on its own run
+                        "own_runs": {k: predict(cal.row_tokens, v, 1, 1.0)["tokens_per_step"]
+                                     for k, v in cal.measured_tps.items()}},
         "roofline": roof,
         "analytic": {"group_size": model.cfg.group_size,
                      **tile_draft_lengths(model.cfg.group_size, max_draft)},

@@ -14,6 +14,18 @@ from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.llama import init_params  # noqa: E402
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ (not a package) as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A 2-layer GQA model, vocab 64, f32."""
     base = dict(

@@ -2,26 +2,19 @@
 ranking, and the real engine's step counts on a tiny model."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_benchmark
 
 from specjax.api import generate_ids
 from specjax.drafters.ngram import NgramDrafter, match_scores
 from specjax.tree import chain
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ngram_ceiling.py"
-
 
 @pytest.fixture(scope="module")
 def ceiling():
-    spec = importlib.util.spec_from_file_location("ngram_ceiling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ngram_ceiling")
 
 
 def test_oracle_takes_the_best_continuation_of_any_occurrence(ceiling):

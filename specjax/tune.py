@@ -484,7 +484,8 @@ def format_batch(batch_size: int, entry: dict, analytic: dict) -> list[str]:
         )
     mb = entry["memory_bound"]
     lines.append(
-        f"pick: {entry['pick']} (the model's first choice: {entry.get('model_pick', entry['pick'])}) | analytic: 128/G-1 = {analytic['tile']} (G={analytic['group_size']}), "
+        f"pick: {entry['pick']} (the model's first choice: {entry['model_pick']}) | "
+        f"analytic: 128/G-1 = {analytic['tile']} (G={analytic['group_size']}), "
         f"tile-aligned D = {analytic['aligned'] or 'none <= max_draft'}, GEMMs leave the "
         f"memory-bound region at B(1+D) >= {mb['rows']} (D >= {mb['num_draft']}), "
         f"measured knee (T_target within 10% of T=1): D = {entry['knee_num_draft']}"
@@ -495,7 +496,7 @@ def format_batch(batch_size: int, entry: dict, analytic: dict) -> list[str]:
                 f"tokens/step (predicted {c['tokens_per_step']:.2f})")
         if "predicted_tps_check" in c:
             line += (f"; {c['measured_over_predicted_check']:.2f} x the prediction from step costs "
-                     f"re-profiled during the check ({fmt(c['step_drift'], '.2f')} x the pick's)")
+                     f"re-profiled during the check ({fmt(c['step_drift'], '.2f')} x the pick-time cost)")
         lines.append(line)
     if "sweep" in entry:
         s = entry["sweep"]

@@ -212,20 +212,23 @@ def test_cli_parses_measurement_commands():
     assert dataclasses.is_dataclass(Candidate(3)) and Candidate(3).num_nodes == 3
 
 
-def test_measure_candidates_runs_each_shape(tiny_model):
-    """The self-check path (same program shapes as test_bench's e2e, so it reuses compiles)."""
-    from specjax.bench import RunConfig, encode_rows
+@pytest.fixture
+def tiny_target(tiny_model):
+    """(the tiny model as a tokenizer-less target, two synthetic prompts' ids)."""
+    from specjax.bench import encode_rows
     from specjax.datasets import synthetic_rows
+    from specjax.profile import RandomModel
+
+    model = RandomModel(*tiny_model)
+    return model, encode_rows(model, synthetic_rows(2, 12))
+
+
+def test_measure_candidates_runs_each_shape(tiny_target):
+    """The self-check path (same program shapes as test_bench's e2e, so it reuses compiles)."""
+    from specjax.bench import RunConfig
     from specjax.tune import measure_candidates
 
-    cfg, params = tiny_model
-
-    class Model:
-        pass
-
-    model = Model()
-    model.cfg, model.params, model.tokenizer = cfg, params, None
-    ids = encode_rows(model, synthetic_rows(2, 12))
+    model, ids = tiny_target
     run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
     got = measure_candidates(model, ids, run, "forced:1.0,0.0",
                              [{"num_draft": 0, "tree": None}, {"num_draft": 2, "tree": None}])
@@ -269,21 +272,13 @@ def test_median_rates_ignore_one_slow_pass():
     assert got["decode_tokens_per_s"] == pytest.approx(36 / 2.5)
 
 
-def test_tune_end_to_end_with_a_forced_drafter(tiny_model):
+def test_tune_end_to_end_with_a_forced_drafter(tiny_target):
     """The whole tuner on a tiny model: calibration, profile, ranking, the check with step
     costs re-profiled before every pass, the sweep, and a schedule that loads."""
-    from specjax.bench import RunConfig, encode_rows
-    from specjax.datasets import synthetic_rows
+    from specjax.bench import RunConfig
     from specjax.tune import TuneConfig, tune
 
-    cfg, params = tiny_model
-
-    class Model:
-        pass
-
-    model = Model()
-    model.cfg, model.params, model.tokenizer = cfg, params, None
-    ids = encode_rows(model, synthetic_rows(2, 12))
+    model, ids = tiny_target
     # long enough that decode time (full run - first-token run) stays well above timer noise
     run = RunConfig(max_new_tokens=64, batch_size=2, ignore_eos=True)
     tc = TuneConfig(batch_sizes=(2,), max_draft=2, draft_lengths=(1, 2), calib_batch_size=2,

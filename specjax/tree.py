@@ -28,6 +28,9 @@ import yaml
 
 PRESET_PACKAGE = "specjax.configs"
 PRESET_DIR = "trees"
+# The most draft nodes (chain length or tree size) a step may verify: one verify pass scores
+# 1 + nodes tokens per row, and every node costs a cache slot of margin per row.
+MAX_DRAFT_NODES = 64
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -51,6 +54,11 @@ class TreeSpec:
         parents = tuple(int(p) for p in self.parents)
         if not parents:
             raise ValueError("a TreeSpec needs at least one node")
+        if len(parents) > MAX_DRAFT_NODES:
+            raise ValueError(
+                f"a draft tree of {len(parents)} nodes exceeds the cap of {MAX_DRAFT_NODES} "
+                f"(one verify pass scores 1 + nodes tokens per row)"
+            )
         for i, p in enumerate(parents):
             if not -1 <= p < i:
                 raise ValueError(f"node {i}: parent {p} must be in [-1, {i}) (topological order)")
@@ -215,10 +223,18 @@ def _sibling_positions(parents: Sequence[int]) -> tuple[int, ...]:
 # ---- constructors ----------------------------------------------------------------------------
 
 
+def check_num_draft(depth, what: str = "num_draft") -> int:
+    """`depth` as an int in [1, MAX_DRAFT_NODES], else a ValueError naming `what`."""
+    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
+        raise ValueError(f"{what} must be an integer in [1, {MAX_DRAFT_NODES}], got {depth!r}")
+    if not 1 <= depth <= MAX_DRAFT_NODES:
+        raise ValueError(f"{what} must be in [1, {MAX_DRAFT_NODES}], got {depth}")
+    return int(depth)
+
+
 def chain(depth: int, name: str = "") -> TreeSpec:
-    """A chain of `depth` >= 1 draft tokens: parents = (-1, 0, 1, ...)."""
-    if depth < 1:
-        raise ValueError(f"chain depth must be >= 1, got {depth}")
+    """A chain of `depth` draft tokens, 1 <= depth <= MAX_DRAFT_NODES: parents = (-1, 0, 1, ...)."""
+    depth = check_num_draft(depth, "chain depth")
     return TreeSpec(tuple(range(-1, depth - 1)), name=name or f"chain{depth}")
 
 

@@ -444,6 +444,8 @@ def run_bench(
     command: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
 ) -> dict:
     """Benchmarks `drafter` against plain decoding on rows ({"category", "prompt"}) -> report."""
+    if not rows:
+        raise ValueError("run_bench needs at least one prompt row")
     groups = encode_by_category(model, rows, chat)
     ids = [p for group in groups.values() for p in group]
     records = measure(model, groups, run, drafter, drafter_params, repeats=repeats, log=log)

@@ -5,23 +5,65 @@ Registered by `specjax.cli.build_parser`; heavy imports happen inside the comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
-from specjax.cli import InputError, add_draft_args, add_model_args, add_sampling_args
+from specjax.cli import (
+    InputError,
+    add_draft_args,
+    add_model_args,
+    add_sampling_args,
+    check_draft_spec,
+    draft_shape,
+)
+from specjax.cli_options import check_output_path, non_negative_int, num_draft, positive_int
 
 DATASET_HELP = ("prompt set: a JSONL file (Spec-Bench/MT-bench rows or {'prompt'} rows), "
                 "mtbench | humaneval | gsm8k (when their packages are installed), "
                 "or synthetic[:N[:LEN]]")
 
 
-def _ints(text: str | None) -> tuple[int, ...] | None:
+#: output options of the measurement commands: dest -> (option, is a folder)
+OUTPUT_OPTIONS = {"json_out": ("--json", False), "out": ("--out", False), "plots": ("--plots", True)}
+
+
+def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    """Comma-separated integers >= 1 (None when not given); an InputError names `option`."""
     if not text:
         return None
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise InputError(f"expected comma-separated integers, got {text!r}") from None
+        values = ()
+    if not values or min(values) < 1:
+        raise InputError(f"{option}: expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _draft_lengths(text: str | None, option: str) -> tuple[int, ...] | None:
+    """_ints, each a draft length in [1, MAX_DRAFT_NODES]."""
+    from specjax.tree import check_num_draft
+
+    values = _ints(text, option)
+    return values and tuple(check_num_draft(d, option) for d in values)
+
+
+def _check_outputs(args) -> None:
+    """Each output option the command was given must be writable before the work starts."""
+    for dest, (option, folder) in OUTPUT_OPTIONS.items():
+        if getattr(args, dest, None):
+            check_output_path(getattr(args, dest), option, folder=folder)
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """Turns an OSError while writing the output `path` (a full disk, ...) into an InputError
+    naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -33,9 +75,13 @@ def _say(line: str) -> None:
 
 
 def _rows(args):
+    """The --dataset rows kept by --categories / --per-category; an InputError when none are."""
     from specjax.datasets import load_prompt_set, select_rows
 
-    return select_rows(load_prompt_set(args.dataset), _names(args.categories) or None, args.per_category)
+    rows = select_rows(load_prompt_set(args.dataset), _names(args.categories) or None, args.per_category)
+    if not rows:
+        raise InputError(f"--dataset {args.dataset}: no prompts to run")
+    return rows
 
 
 def _run_config(args, model, batch_size: int):
@@ -54,7 +100,8 @@ def _run_config(args, model, batch_size: int):
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help=DATASET_HELP)
     p.add_argument("--categories", help="comma-separated categories to keep (default: all)")
-    p.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
+    p.add_argument("--per-category", type=positive_int, default=None,
+                   help="first N prompts of each category")
     p.add_argument("--ignore-eos", action="store_true",
                    help="rows run to --max-new-tokens (implied by --draft forced:...)")
 
@@ -66,13 +113,13 @@ def cmd_bench(args) -> int:
     from specjax.bench import make_any_drafter, run_bench, summary_lines, write_json, write_plots
     from specjax.drafters.forced import is_forced
     from specjax.profile import load_target
-    from specjax.tree import chain, load_tree
 
     if not args.draft:
         raise InputError("bench needs --draft (the baseline is plain decoding)")
+    tree = draft_shape(args)
+    _check_outputs(args)
     rows = _rows(args)
     model = load_target(args.model, args.dtype)
-    tree = load_tree(args.tree) if args.tree else chain(args.num_draft or 4)
     drafter, params = make_any_drafter(args.draft, tree, model, args.dtype)
     report = run_bench(
         model, rows, drafter, params, _run_config(args, model, args.batch_size),
@@ -84,10 +131,12 @@ def cmd_bench(args) -> int:
     for line in summary_lines(report):
         print(line)
     if args.json_out:
-        write_json(report, args.json_out)
+        with _writing(args.json_out):
+            write_json(report, args.json_out)
     if args.plots:
-        for path in write_plots(report, args.plots):
-            _say(f"wrote {path}")
+        with _writing(args.plots):
+            for path in write_plots(report, args.plots):
+                _say(f"wrote {path}")
     return 0
 
 
@@ -96,21 +145,27 @@ def cmd_profile(args) -> int:
     from specjax.profile import load_target, profile_latency
     from specjax.tree import chain
 
+    tokens = _ints(args.tokens, "--tokens") or tuple(range(1, args.max_tokens + 1))
+    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    draft_lengths = _draft_lengths(args.draft_lengths, "--draft-lengths") or (1, 2, 4, 8)
+    if args.draft:
+        check_draft_spec(args.draft)
+    _check_outputs(args)
     model = load_target(args.model, args.dtype)
-    tokens = _ints(args.tokens) or tuple(range(1, args.max_tokens + 1))
     drafters = {}
     if args.draft:
-        for d in _ints(args.draft_lengths) or (1, 2, 4, 8):
+        for d in draft_lengths:
             drafters[str(d)] = make_any_drafter(args.draft, chain(d), model, args.dtype)
     prof = profile_latency(
-        model, _ints(args.batch_sizes), tokens, drafters, context=args.context,
+        model, batch_sizes, tokens, drafters, context=args.context,
         repeats=args.repeats, steps=not args.no_step_profile, log=_say,
     )
     text = json.dumps(prof.to_dict(), indent=2)
     if args.json_out:
         from pathlib import Path
 
-        Path(args.json_out).write_text(text + "\n", encoding="utf-8")
+        with _writing(args.json_out):
+            Path(args.json_out).write_text(text + "\n", encoding="utf-8")
     else:
         print(text)
     return 0
@@ -120,13 +175,20 @@ def cmd_tune(args) -> int:
     from specjax.bench import encode_rows, write_json
     from specjax.profile import load_target
     from specjax.schedule import Schedule
+    from specjax.tree import load_tree
     from specjax.tune import TuneConfig, tune
 
+    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    draft_lengths = _draft_lengths(args.draft_lengths, "--draft-lengths")
+    for name in _names(args.trees):
+        load_tree(name)
+    check_draft_spec(args.draft)
+    _check_outputs(args)
     rows = _rows(args)
     model = load_target(args.model, args.dtype)
     tc = TuneConfig(
-        batch_sizes=_ints(args.batch_sizes), max_draft=args.max_draft,
-        draft_lengths=_ints(args.draft_lengths), trees=_names(args.trees),
+        batch_sizes=batch_sizes, max_draft=args.max_draft,
+        draft_lengths=draft_lengths, trees=_names(args.trees),
         calib_batch_size=args.batch_size, profile_repeats=args.profile_repeats,
         step_profile=not args.no_step_profile, check=args.check, sweep=args.sweep, dtype=args.dtype,
         measure_repeats=args.measure_repeats, calibrate_each=not args.calibrate_once,
@@ -139,10 +201,12 @@ def cmd_tune(args) -> int:
         print(f"batch size <= {b.batch_size}: draft {b.label} "
               f"(predicted {b.extra['predicted_tokens_per_s']:.1f} tok/s)")
     if args.out:
-        schedule.save(args.out, header=f"written by: {' '.join(sys.argv)}")
+        with _writing(args.out):
+            schedule.save(args.out, header=f"written by: {' '.join(sys.argv)}")
         _say(f"wrote {args.out}")
     if args.json_out:
-        write_json(report, args.json_out)
+        with _writing(args.json_out):
+            write_json(report, args.json_out)
     return 0
 
 
@@ -155,7 +219,7 @@ def add_subcommands(sub) -> None:
     _add_dataset_args(bench)
     bench.add_argument("--json", dest="json_out", help="write the report (schema: specjax.bench v1)")
     bench.add_argument("--plots", help="folder for PNG plots (needs the `plots` extra)")
-    bench.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
+    bench.add_argument("--repeats", type=positive_int, default=1, help="timed passes over the prompts")
     bench.add_argument("--ideal", action="store_true",
                        help="profile step costs for the ideal speedup and system efficiency "
                             "(always on for --draft forced:...)")
@@ -164,12 +228,12 @@ def add_subcommands(sub) -> None:
     prof = sub.add_parser("profile", help="latency curves T_target(B, T), T_draft(B, D), T_step")
     add_model_args(prof)
     prof.add_argument("--batch-sizes", default="1,4")
-    prof.add_argument("--max-tokens", type=int, default=16, help="T = 1..T_max")
+    prof.add_argument("--max-tokens", type=positive_int, default=16, help="T = 1..T_max")
     prof.add_argument("--tokens", help="explicit comma-separated T values")
     prof.add_argument("--draft", help="drafter spec to time (ngram, forced:0.8, ...)")
     prof.add_argument("--draft-lengths", help="comma-separated D values (default 1,2,4,8)")
-    prof.add_argument("--context", type=int, default=256, help="tokens already in the cache")
-    prof.add_argument("--repeats", type=int, default=5)
+    prof.add_argument("--context", type=positive_int, default=256, help="tokens already in the cache")
+    prof.add_argument("--repeats", type=positive_int, default=5)
     prof.add_argument("--no-step-profile", action="store_true", help="skip T_step")
     prof.add_argument("--json", dest="json_out")
     prof.set_defaults(func=cmd_profile)
@@ -180,15 +244,15 @@ def add_subcommands(sub) -> None:
     _add_dataset_args(tune)
     tune.add_argument("--draft", required=True, help="drafter spec (ngram, suffix, forced:..., ...)")
     tune.add_argument("--batch-sizes", default="1,4,16,64")
-    tune.add_argument("--max-draft", type=int, default=32)
+    tune.add_argument("--max-draft", type=num_draft, default=32)
     tune.add_argument("--draft-lengths", help="comma-separated D to consider (default: a grid)")
     tune.add_argument("--trees", help="comma-separated tree presets to consider too")
     tune.add_argument("--out", help="schedule YAML for `generate --tuned`")
     tune.add_argument("--json", dest="json_out", help="full tuning report")
-    tune.add_argument("--check", type=int, default=3, help="run the best N for real (0: skip)")
+    tune.add_argument("--check", type=non_negative_int, default=3, help="run the best N for real (0: skip)")
     tune.add_argument("--sweep", action="store_true", help="run every candidate for real")
-    tune.add_argument("--profile-repeats", type=int, default=5)
-    tune.add_argument("--measure-repeats", type=int, default=3,
+    tune.add_argument("--profile-repeats", type=positive_int, default=5)
+    tune.add_argument("--measure-repeats", type=positive_int, default=3,
                       help="passes over the prompts per measured candidate (each batch's "
                            "median time counts; step costs are re-profiled before each pass)")
     tune.add_argument("--no-step-profile", action="store_true")

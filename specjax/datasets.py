@@ -74,10 +74,24 @@ def synthetic_rows(num: int = 8, length: int = 64, seed: int = 0) -> list[dict]:
             for i in range(num)]
 
 
+def parse_synthetic(source: str) -> tuple[int, ...]:
+    """(N, LEN) given by `synthetic[:N[:LEN]]` (either may be left out); a ValueError names the
+    spec unless each is an integer >= 1."""
+    parts = source.split(":")[1:]
+    try:
+        values = tuple(int(x) for x in parts)
+    except ValueError:
+        values = ()
+    if len(values) != len(parts) or len(values) > 2 or min(values, default=1) < 1:
+        raise ValueError(f"prompt set {source!r}: expected synthetic[:N[:LEN]] with integers "
+                         f"N, LEN >= 1")
+    return values
+
+
 def load_prompt_set(source: str) -> list[dict]:
     """Rows {"id", "category", "prompt"} of a JSONL file or a named set (see the module doc)."""
     if source == "synthetic" or source.startswith("synthetic:"):
-        return synthetic_rows(*(int(x) for x in source.split(":")[1:3]))
+        return synthetic_rows(*parse_synthetic(source))
     if source in LOADERS:
         rows = LOADERS[source]()
     else:

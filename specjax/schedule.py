@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from specjax.tree import TreeSpec, chain, load_tree
+from specjax.yamlfile import field_problem, read_yaml_mapping
 
 VERSION = 1
 
@@ -111,12 +112,16 @@ class Schedule:
     def from_dict(cls, data: dict, where: str = "<schedule>") -> Schedule:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise ValueError(f"{where}: not a version-{VERSION} draft schedule")
+        if not isinstance(data.get("buckets"), list):
+            raise ValueError(f"{where}: needs a 'buckets' list")
         try:
             buckets = tuple(Bucket.from_dict(b) for b in data["buckets"])
+            for b in buckets:
+                b.tree_spec  # noqa: B018 -- resolves each draft shape now, naming this file
+            return cls(buckets, str(data.get("model", "")), str(data.get("draft", "")),
+                       str(data.get("device", "")))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: bad bucket ({e})") from None
-        return cls(buckets, str(data.get("model", "")), str(data.get("draft", "")),
-                   str(data.get("device", "")))
+            raise ValueError(f"{where}: bad bucket ({field_problem(e)})") from None
 
     def save(self, path: str | os.PathLike, header: str = "") -> None:
         path = Path(path)
@@ -131,11 +136,7 @@ def load_schedule(source: str | os.PathLike | Schedule | dict) -> Schedule:
         return source
     if isinstance(source, dict):
         return Schedule.from_dict(source)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"cannot read schedule {source}: {e.strerror}") from None
-    return Schedule.from_dict(yaml.safe_load(text), str(source))
+    return Schedule.from_dict(read_yaml_mapping(source, "schedule"), f"schedule {source}")
 
 
 def scheduled(drafter, drafter_params, schedule, batch_size: int, model=None, dtype: str = "float32"):

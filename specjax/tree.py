@@ -26,6 +26,8 @@ from importlib import resources
 import numpy as np
 import yaml
 
+from specjax.yamlfile import field_problem, read_yaml_mapping
+
 PRESET_PACKAGE = "specjax.configs"
 PRESET_DIR = "trees"
 # The most draft nodes (chain length or tree size) a step may verify: one verify pass scores
@@ -288,7 +290,7 @@ def tree_from_config(config: dict, name: str = "") -> TreeSpec:
     name = str(config.get("name", name))
     kind = kinds[0]
     if kind == "chain":
-        return chain(int(config["chain"]), name=name)
+        return chain(config["chain"], name=name)
     if kind == "k_ary":
         spec = config["k_ary"]
         return k_ary(spec["branching"], spec.get("max_nodes"), name=name)
@@ -310,8 +312,11 @@ def load_tree(name_or_yaml: str | os.PathLike | TreeSpec) -> TreeSpec:
         return name_or_yaml
     text = str(name_or_yaml)
     if text.endswith((".yaml", ".yml")) or os.path.sep in text or os.path.exists(text):
-        with open(text) as f:
-            return tree_from_config(yaml.safe_load(f), name=os.path.basename(text).split(".")[0])
+        config = read_yaml_mapping(text, "tree file")
+        try:
+            return tree_from_config(config, name=os.path.basename(text).split(".")[0])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"tree file {text}: {field_problem(e)}") from None
     preset = resources.files(PRESET_PACKAGE) / PRESET_DIR / f"{text}.yaml"
     if not preset.is_file():
         raise ValueError(f"unknown tree {text!r}: not a YAML path; presets: {available_trees()}")

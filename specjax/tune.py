@@ -407,6 +407,8 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
 
     model_name: how the schedule names the model (default: its config's name)."""
     ids = [list(p) for p in rows_ids]
+    if not ids:
+        raise ValueError("tune needs at least one prompt")
     cands = [Candidate(d) for d in (tc.draft_lengths or draft_grid(tc.max_draft))]
     cands += [Candidate(tree=t) for t in tc.trees]
     max_draft = max([tc.max_draft] + [c.num_draft for c in cands])

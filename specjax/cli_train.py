@@ -10,7 +10,10 @@ Registered by `specjax.cli.build_parser`; heavy imports happen inside the comman
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import tempfile
+from pathlib import Path
 
 from specjax.cli import InputError, read_prompts
 
@@ -26,32 +29,76 @@ HEAD_OPTIONS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# Option types (argparse `type=`): a bad value is refused before anything loads. Candidates for
+# merging with the generate/bench/tune option types of specjax/cli.py.
+# ---------------------------------------------------------------------------------------------
+
+
+def int_at_least(low: int):
+    """argparse type: an integer >= low."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(low: float, *, inclusive: bool):
+    """argparse type: a finite number >= low (inclusive) or > low."""
+    bound = f"{'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
+
+
 def add_subcommands(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a learned drafter on the target's own outputs",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="preset name, .gguf file or HF folder")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", required=True, help="output folder (data, checkpoints, drafter.json)")
+    p.add_argument("--steps", type=int_at_least(1), required=True)
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--out", required=True, help="output folder (data, checkpoints, drafter.json); "
+                   "must be empty or new unless --resume")
     p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=0, help="warmup steps (0: 5%% of --steps)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    p.add_argument("--seq-len", type=int, default=256, help="training sequence length")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="response tokens per prompt")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--gen-batch-size", type=int, default=16, help="batch of the data generation")
-    p.add_argument("--gen-temperature", type=float, default=0.0)
+    p.add_argument("--lr", type=finite_float(0, inclusive=False), default=3e-4)
+    p.add_argument("--warmup", type=int_at_least(0), default=0,
+                   help="warmup steps, below --steps (0: 5%% of --steps)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--save-every", type=int_at_least(1), default=100)
+    p.add_argument("--keep", type=int_at_least(1), default=3, help="checkpoints kept")
+    p.add_argument("--seq-len", type=int_at_least(2), default=256, help="training sequence length")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=192,
+                   help="response tokens per prompt")
+    p.add_argument("--num-prompts", type=int_at_least(1), default=None,
+                   help="use the first N prompts")
+    p.add_argument("--gen-batch-size", type=int_at_least(1), default=16,
+                   help="batch of the data generation")
+    p.add_argument("--gen-temperature", type=finite_float(0, inclusive=True), default=0.0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--depth", type=int, help="eagle3/mtp: training-time-test steps; medusa: heads")
-    p.add_argument("--draft-vocab", type=int, help="eagle3: reduced draft vocabulary size")
-    p.add_argument("--block-size", type=int, help="dflash/dspark: block size")
-    p.add_argument("--draft-layers", type=int, help="dflash/dspark: draft decoder layers")
+    p.add_argument("--depth", type=int_at_least(1),
+                   help="eagle3/mtp: training-time-test steps; medusa: heads")
+    p.add_argument("--draft-vocab", type=int_at_least(1),
+                   help="eagle3: reduced draft vocabulary size (at most the target's)")
+    p.add_argument("--block-size", type=int_at_least(2), help="dflash/dspark: block size")
+    p.add_argument("--draft-layers", type=int_at_least(1), help="dflash/dspark: draft decoder layers")
     p.set_defaults(func=cmd_train_drafter)
 
 
@@ -60,19 +107,57 @@ def head_options(args) -> dict:
             if getattr(args, opt) is not None}
 
 
-def cmd_train_drafter(args) -> int:
-    from pathlib import Path
+def check_options(args) -> None:
+    """Checks across options (each option's own range is its argparse type's)."""
+    foreign = sorted({opt for opts in HEAD_OPTIONS.values() for opt in opts}
+                     - set(HEAD_OPTIONS[args.kind]))
+    given = [f"--{opt.replace('_', '-')}" for opt in foreign if getattr(args, opt) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} does not apply to --kind {args.kind}")
+    if args.warmup >= args.steps:
+        raise InputError(f"--warmup {args.warmup} must be below --steps {args.steps}")
 
+
+def check_out_folder(out: Path, resume: bool) -> None:
+    """OUT is (made) a writable folder, and empty unless resuming: checked before anything
+    loads. A leftover staging folder of a killed run does not count (it is regenerated)."""
+    from specjax.train.trainer import STAGING_DIR
+
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder: name a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot write there ({e.strerror})") from None
+    held = sorted(p.name for p in out.iterdir() if p.name != STAGING_DIR)
+    if held and not resume:
+        raise InputError(f"--out {out} is not empty (holds {', '.join(held[:4])}): pass --resume "
+                         "to continue the run in it, or name another folder")
+
+
+def check_against_target(args, cfg) -> None:
+    """Checks that need the loaded target's config."""
+    if args.draft_vocab is not None and args.draft_vocab > cfg.vocab_size:
+        raise InputError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary "
+                         f"({cfg.vocab_size})")
+
+
+def cmd_train_drafter(args) -> int:
     from specjax.models.hub import load_model
     from specjax.train.trainer import TrainConfig, prepare_data, train_drafter
 
+    out = Path(args.out)
+    check_options(args)
+    check_out_folder(out, args.resume)
     rows = [r for path in args.prompts for r in read_prompts(path)][: args.num_prompts]
     if not rows:
         raise InputError("no prompts")
     target = load_model(args.target, dtype=args.dtype)
+    check_against_target(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]
-    out = Path(args.out)
     data = prepare_data(target, prompts, out, seq_len=args.seq_len, max_new_tokens=args.max_new_tokens,
                         temperature=args.gen_temperature, seed=args.seed,
                         batch_size=args.gen_batch_size)

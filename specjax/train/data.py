@@ -22,12 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 FORMAT = "specjax-distill-v1"
+
+
+def read_json_object(path: str | Path) -> dict:
+    """The JSON object in `path`; a missing, unreadable or malformed file -> one-line
+    ValueError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(value, dict):  # a bad file, not a bad argument: ValueError as above
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")  # noqa: TRY004
+    return value
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes `path` through a temporary sibling and a rename: a kill never leaves it torn."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,17 +87,22 @@ class Sequences:
                  prompt_lens=self.prompt_lens)
         meta = {"format": FORMAT, "seq_len": self.seq_len, "num_sequences": self.num_sequences,
                 **self.meta}
-        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, folder: str | Path) -> Sequences:
         folder = Path(folder)
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = read_json_object(folder / "meta.json")
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{folder}: not a {FORMAT} data folder (format={meta.get('format')})")
-        with np.load(folder / "sequences.npz") as z:
-            return cls(z["tokens"].astype(np.int32), z["lengths"].astype(np.int32),
-                       z["prompt_lens"].astype(np.int32), meta)
+            raise ValueError(f"{folder / 'meta.json'}: not a {FORMAT} data folder "
+                             f"(format={meta.get('format')})")
+        arrays = folder / "sequences.npz"
+        try:
+            with np.load(arrays) as z:
+                return cls(z["tokens"].astype(np.int32), z["lengths"].astype(np.int32),
+                           z["prompt_lens"].astype(np.int32), meta)
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{arrays}: not readable training sequences ({e})") from None
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
@@ -118,6 +149,15 @@ def batch_indices(num_items: int, batch_size: int, seed: int, step: int) -> np.n
         order = np.random.default_rng([seed, int(epoch)]).permutation(num_items)
         out[epochs == epoch] = order[offsets[epochs == epoch]]
     return out
+
+
+def tokens_before(data: Sequences, batch_size: int, seed: int, step: int) -> int:
+    """Real tokens (`lengths`) in the batches of steps [0, step): whole epochs of the stream
+    count every item once, the last partial epoch its first items (see `batch_indices`)."""
+    epochs, rest = divmod(step * batch_size, data.num_sequences)
+    order = np.random.default_rng([seed, epochs]).permutation(data.num_sequences)
+    return int(epochs * np.sum(data.lengths, dtype=np.int64)
+               + np.sum(data.lengths[order[:rest]], dtype=np.int64))
 
 
 def get_batch(data: Sequences, batch_size: int, seed: int, step: int) -> dict[str, np.ndarray]:

@@ -11,14 +11,19 @@ Output folder layout:
 
   OUT/drafter.json        kind, head config, target name, train config, data meta
   OUT/checkpoints/<step>/ orbax CheckpointManager (keep-last-N, every save_every steps + final)
-  OUT/metrics.jsonl       {"step", "loss", per-step metrics, "tokens", "elapsed_s"} rows
-  OUT/data/               the self-distilled sequences (`data.Sequences` format)
+  OUT/metrics.jsonl       {"step", "loss", per-step metrics, "tokens", "elapsed_s"} rows; "tokens"
+                          counts from step 0 (a resumed run continues it), "elapsed_s" this run
+  OUT/data/               the self-distilled sequences (`data.Sequences` format), generated
+                          and checked in OUT/.data.partial and renamed only when complete
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,7 +43,14 @@ from specjax.models.heads import (
     init_from_target,
     init_head,
 )
-from specjax.train.data import Sequences, get_batch
+from specjax.train.data import (
+    Sequences,
+    get_batch,
+    read_json_object,
+    response_mask,
+    tokens_before,
+    write_text_atomic,
+)
 from specjax.train.losses import loss_fn, target_pass
 
 
@@ -153,15 +165,54 @@ def write_description(out_dir: Path, head_cfg, tc: TrainConfig, data_meta: dict)
     desc = {"format": "specjax-drafter-v1", "kind": head_cfg.kind,
             "head": head_config_to_dict(head_cfg), "target": head_cfg.target.name,
             "train": dataclasses.asdict(tc), "data": data_meta}
-    (out_dir / "drafter.json").write_text(json.dumps(desc, indent=1))
+    write_text_atomic(out_dir / "drafter.json", json.dumps(desc, indent=1))
+
+
+def read_description(folder: Path, target_cfg) -> tuple[dict, object, TrainConfig]:
+    """(OUT/drafter.json, its head config for target_cfg, its TrainConfig); a malformed file
+    -> one-line ValueError naming it."""
+    path = folder / "drafter.json"
+    desc = read_json_object(path)
+    fields = {"kind": str, "head": dict, "train": dict}
+    missing = [k for k, kind in fields.items() if not isinstance(desc.get(k), kind)]
+    if missing:
+        raise ValueError(f"{path}: not a drafter description (no valid {', '.join(missing)})")
+    try:
+        return desc, head_config_from_dict(desc["head"], target_cfg), TrainConfig(**desc["train"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: unusable head or train config ({e})") from None
+
+
+def metric_lines_until(lines: list[str], step: int) -> tuple[list[str], int]:
+    """(the lines of rows with "step" <= step, how many non-blank lines were not rows)."""
+    kept, unreadable = [], 0
+    for line in filter(str.strip, lines):
+        try:
+            row_step = json.loads(line)["step"]
+            if row_step <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            unreadable += 1
+    return kept, unreadable
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drops the rows of metrics.jsonl past `step`, the checkpoint a run starts from: those
+    steps are redone, so the log never repeats a step. Torn or corrupt lines are dropped too,
+    with a warning naming the file."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept, unreadable = metric_lines_until(lines, step)
+    if unreadable:
+        print(f"warning: {path}: dropped {unreadable} unreadable line(s)", file=sys.stderr)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))  # also ends a torn last line
 
 
 def load_trained(folder: str | Path, target_cfg, step: int | None = None):
     """(head config, head variables) of a folder written by `train`: its latest checkpoint."""
     folder = Path(folder)
-    desc = json.loads((folder / "drafter.json").read_text())
-    head_cfg = head_config_from_dict(desc["head"], target_cfg)
-    tc = TrainConfig(**desc["train"])
+    _desc, head_cfg, tc = read_description(folder, target_cfg)
     mngr = checkpoint_manager(folder, tc)
     if mngr.latest_step() is None:
         raise ValueError(f"{folder}: no checkpoint yet")
@@ -196,9 +247,11 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
                          "or use an empty folder")
     write_description(out_dir, head_cfg, tc, data.meta)
     start = int(state.step)
+    keep_metrics_until(out_dir / "metrics.jsonl", start)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     log: list[dict] = []
-    tokens_done, t0 = 0, time.perf_counter()
+    tokens_start = tokens_before(data, tc.batch_size, tc.seed, start)
+    tokens_done, t0 = tokens_start, time.perf_counter()
     bar = tqdm(range(start, end), initial=start, total=tc.steps, desc=f"train {head_cfg.kind}",
                unit="step", file=sys.stderr, disable=not progress)
     with open(out_dir / "metrics.jsonl", "a") as metrics_file:
@@ -214,8 +267,8 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
                 log.append(row)
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
-                bar.set_postfix(loss=f"{row['loss']:.4f}",
-                                tok_s=f"{tokens_done / max(row['elapsed_s'], 1e-9):.0f}")
+                rate = (tokens_done - tokens_start) / max(row["elapsed_s"], 1e-9)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{rate:.0f}")
     bar.close()
     if int(state.step) == tc.steps and mngr.latest_step() != tc.steps:
         save_state(mngr, state, force=True)
@@ -229,22 +282,76 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
 # ---------------------------------------------------------------------------------------------
 
 
+DATA_DIR = "data"
+#: where the data is generated and checked before its rename to OUT/data
+STAGING_DIR = ".data.partial"
+
+
+def distill_request(target_name: str, prompts: list[list[int]], *, seq_len: int,
+                    max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """What decides the self-distilled data (stored in its meta.json and compared on reuse)."""
+    ids = json.dumps([[int(t) for t in p] for p in prompts]).encode()
+    return {"generated_by": target_name, "seq_len": seq_len, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "seed": seed,
+            "prompts_sha256": hashlib.sha256(ids).hexdigest()}
+
+
+def request_mismatches(meta: dict, request: dict) -> list[str]:
+    """'key: stored -> requested' for each key the stored meta records with another value."""
+    return [f"{k}: {meta[k]!r} -> {v!r}" for k, v in request.items() if k in meta and meta[k] != v]
+
+
+def check_distilled(data: Sequences, vocab_size: int, where: Path) -> None:
+    """Token ids in range and at least one response token to learn from."""
+    if data.tokens.min() < 0 or data.tokens.max() >= vocab_size:
+        raise ValueError(f"{where}: token ids outside [0, {vocab_size}); nothing saved")
+    if not response_mask(data.lengths, data.prompt_lens, data.seq_len).any():
+        raise ValueError(f"{where}: no response tokens (the target ended every prompt at once, "
+                         "or --seq-len leaves no room after the prompts); nothing saved")
+
+
+def reuse_data(folder: Path, request: dict) -> Sequences:
+    data = Sequences.load(folder)
+    changed = request_mismatches(data.meta, request)
+    if changed:
+        raise ValueError(f"{folder / 'meta.json'}: the data was made with other options "
+                         f"({'; '.join(changed)}): rerun with the same options or another --out")
+    return data
+
+
 def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: int,
                  max_new_tokens: int, temperature: float, seed: int, batch_size: int,
                  progress: bool = True) -> Sequences:
-    """OUT/data if it exists (a resumed run reuses its data), else the target's continuations
-    of `prompts` (token ids), saved there."""
+    """OUT/data if it exists (a resumed run reuses its data; it must have been made with the
+    same prompts and options), else the target's continuations of `prompts` (token ids),
+    generated, saved and checked in OUT/.data.partial, then renamed to OUT/data: a failed or
+    killed run leaves no folder a later run could take for finished data."""
     from specjax.train.data import self_distill
 
-    folder = out_dir / "data"
+    out_dir = Path(out_dir)
+    folder, staging = out_dir / DATA_DIR, out_dir / STAGING_DIR
+    request = distill_request(target.cfg.name, prompts, seq_len=seq_len,
+                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     if (folder / "meta.json").exists():
-        return Sequences.load(folder)
+        return reuse_data(folder, request)
+    if folder.exists():  # only an older version writes OUT/data in place: never complete here
+        print(f"{folder}: incomplete (no meta.json), generating it again", file=sys.stderr)
+        shutil.rmtree(folder)
+    shutil.rmtree(staging, ignore_errors=True)
     if progress:
         print(f"self-distillation: {len(prompts)} prompts, {max_new_tokens} new tokens each",
               file=sys.stderr)
-    data = self_distill(target.cfg, target.params, prompts, max_new_tokens=max_new_tokens,
-                        seq_len=seq_len, temperature=temperature, seed=seed, batch_size=batch_size)
-    data.save(folder)
+    try:
+        data = self_distill(target.cfg, target.params, prompts, max_new_tokens=max_new_tokens,
+                            seq_len=seq_len, temperature=temperature, seed=seed,
+                            batch_size=batch_size)
+        dataclasses.replace(data, meta={**data.meta, **request}).save(staging)
+        data = Sequences.load(staging)
+        check_distilled(data, target.cfg.vocab_size, folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return data
 
 
@@ -262,10 +369,9 @@ def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: T
     out_dir = Path(out_dir)
     described = out_dir / "drafter.json"
     if resume and described.exists():
-        desc = json.loads(described.read_text())
+        desc, head_cfg, _tc = read_description(out_dir, target.cfg)
         if desc["kind"] != kind:
             raise ValueError(f"{out_dir} holds a {desc['kind']} drafter, not {kind}")
-        head_cfg = head_config_from_dict(desc["head"], target.cfg)
     else:
         head_cfg = make_head_config(kind, target.cfg, **(head_options or {}))
     consts = None

@@ -8,6 +8,18 @@ from einops import rearrange
 NEG_INF = -1e30
 
 
+def nonfinite_poison(x: jax.Array, axis: int = -1) -> jax.Array:
+    """x reduced over `axis`, f32: 0 where every value is finite, NaN where one is NaN or ±Inf
+    (x·0 is NaN exactly for those). Added to a key's scores, it makes that key's score NaN for
+    every query, and the mask then decides which queries see it."""
+    return jnp.sum(x.astype(jnp.float32) * 0.0, axis=axis)
+
+
+def finite_or_zero(x: jax.Array) -> jax.Array:
+    """x with NaN / ±Inf entries replaced by 0 (same dtype)."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
 def verify_attention_reference(
     q: jax.Array,
     k_new: jax.Array,
@@ -34,6 +46,15 @@ def verify_attention_reference(
     Returns:
       `[B, T, Hq, Dh]` in q's dtype. Softmax in f32. A query row with nothing to attend to
       (all masked) returns zeros.
+
+    Non-finite inputs: a query that may see (mask) a NaN / Inf in its own q, a visible key or
+    a visible new token's value gets NaN; a query that may not see them stays finite, since
+    masked scores are replaced and masked weights are zeroed by the boolean masks, never by a
+    score's value. A new token's K/V enter through `nonfinite_poison` (a bad token's score is
+    NaN, then masked like any other) and its values are zeroed for the P·V product (0·NaN would
+    leak to every query). Cached values are trusted to be finite (`models.cache.write` stores
+    non-finite K/V as 0; the token they came from saw them itself, so its logits are NaN and
+    its row is flagged): masking them here would double the decode attention's cost on CPU.
     """
     num_kv_heads = k_new.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -46,7 +67,8 @@ def verify_attention_reference(
         return jnp.einsum(spec, x.astype(y.dtype), y, preferred_element_type=jnp.float32)
 
     prefix_scores = dot("bhrd,bhds->bhrs", rows, k_cache)  # [B, KVH, R, S]
-    new_scores = dot("bhrd,bthd->bhrt", rows, k_new)  # [B, KVH, R, T]
+    new_poison = nonfinite_poison(k_new) + nonfinite_poison(v_new)  # [B, T, KVH]
+    new_scores = dot("bhrd,bthd->bhrt", rows, k_new) + rearrange(new_poison, "b t h -> b h 1 t")
     in_prefix = jnp.arange(k_cache.shape[3])[None, :] < lengths[:, None]  # [B, S]
     row_mask = jnp.tile(tree_mask, (1, q.shape[2] // num_kv_heads, 1))  # [B, R, T]
     prefix_scores = jnp.where(in_prefix[:, None, None, :], prefix_scores, NEG_INF)
@@ -55,9 +77,14 @@ def verify_attention_reference(
     row_max = jnp.maximum(
         jnp.max(prefix_scores, axis=-1, keepdims=True), jnp.max(new_scores, axis=-1, keepdims=True)
     )
-    prefix_w = jnp.where(prefix_scores > NEG_INF / 2, jnp.exp(prefix_scores - row_max), 0.0)
-    new_w = jnp.where(new_scores > NEG_INF / 2, jnp.exp(new_scores - row_max), 0.0)
+    # Weights zeroed by the boolean masks themselves, never by the score's value: a NaN score at a
+    # visible key must stay NaN (a threshold test `score > NEG_INF / 2` is False for NaN and
+    # would silently drop it, quieting a damaged head instead of flagging it).
+    prefix_w = jnp.where(in_prefix[:, None, None, :], jnp.exp(prefix_scores - row_max), 0.0)
+    new_w = jnp.where(row_mask[:, None, :, :], jnp.exp(new_scores - row_max), 0.0)
     denom = jnp.sum(prefix_w, axis=-1, keepdims=True) + jnp.sum(new_w, axis=-1, keepdims=True)
-    out = dot("bhrs,bhsd->bhrd", prefix_w, v_cache) + dot("bhrt,bthd->bhrd", new_w, v_new)
+    out = dot("bhrs,bhsd->bhrd", prefix_w, v_cache) + dot(
+        "bhrt,bthd->bhrd", new_w, finite_or_zero(v_new)
+    )
     out = out / jnp.where(denom > 0, denom, 1.0)
     return rearrange(out, "b kh (g t) d -> b t (kh g) d", t=q.shape[1]).astype(q.dtype)

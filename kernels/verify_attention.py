@@ -31,6 +31,11 @@ f32 inputs, never TF32); P is cast to V's dtype for the P·V dot. Every program 
 own tile and stores it in the output dtype plus its running max m and sum l (f32). With
 k_splits > 1 `combine_splits` merges the splits by log-sum-exp weights (w_s = l_s·e^{m_s−M}).
 A query row with nothing to attend to returns zeros (as the reference does).
+
+Non-finite inputs (as the reference): masked scores and weights are replaced by the boolean
+mask, never by a score's value, so a NaN a query may see stays NaN and one it may not see
+never reaches it. Cached keys/values past a row's length are never loaded (masked loads); new
+tokens enter with `nonfinite_poison` on their scores and zeroed non-finite values.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from specjax.kernels.reference import finite_or_zero, nonfinite_poison
 
 NEG_INF = -1e30  # finite: keeps (m − m) and exp() NaN-free for fully masked rows
 MIN_DOT = 16  # Triton's dot needs every dimension ≥ 16
@@ -174,15 +181,18 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     )
 
 
-def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool):
+def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool, key_poison=None):
     """One online-softmax step of the tile over one key block.
 
     state: (acc `[Mq, Dh]` f32, m `[Mq]` f32, l `[Mq]` f32); q `[Mq, Dh]`; k `[Dh, Nk]` if
     keys_by_column (the cache's transposed keys) else `[Nk, Dh]`; v `[Nk, Dh]`;
-    mask: None or bool broadcastable to `[Mq, Nk]` (True = attend).
+    mask: None or bool broadcastable to `[Mq, Nk]` (True = attend);
+    key_poison: None or `[Nk]` f32, 0 or NaN (`nonfinite_poison`), added to the keys' scores.
     """
     acc, m_prev, l_prev = state
     scores = _dot(q, k, 0 if keys_by_column else 1) * scale  # [Mq, Nk] f32
+    if key_poison is not None:
+        scores = scores + key_poison[None, :]
     if mask is not None:
         scores = jnp.where(mask, scores, NEG_INF)
     m_next = jnp.maximum(m_prev, scores.max(axis=1))
@@ -247,7 +257,11 @@ def _verify_kernel(
 
     def new_tokens(carry):
         mask = mask_ref[...] != 0
-        return _attend_block(carry, q, kn_ref[...], vn_ref[...], scale, mask, False)
+        k_new, v_new = kn_ref[...], vn_ref[...]
+        poison = nonfinite_poison(k_new, 1) + nonfinite_poison(v_new, 1)  # [Tp]
+        return _attend_block(
+            carry, q, k_new, finite_or_zero(v_new), scale, mask, False, key_poison=poison
+        )
 
     acc, m, l = jax.lax.cond(
         split == tiling.k_splits - 1, new_tokens, lambda carry: carry, state

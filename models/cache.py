@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import struct
 
+from specjax.kernels.reference import finite_or_zero
 from specjax.models.config import ModelConfig
 
 K_SEQ_AXIS = 4  # S axis of KVCache.k
@@ -103,7 +104,14 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, axis: int)
 
 
 def write(cache: KVCache, new_k: jax.Array, new_v: jax.Array) -> KVCache:
-    """Writes new keys/values `[L, B, T, KVH, Dh]` (token-major) at each row's current length."""
+    """Writes new keys/values `[L, B, T, KVH, Dh]` (token-major) at each row's current length.
+
+    NaN / Inf entries are stored as 0, so a rejected draft's or a padding token's bad K/V left
+    past `lengths` cannot reach a later query through a zero attention weight (0·NaN). This
+    hides nothing: a token attends to its own K/V in the forward that computed them, so its
+    logits are already non-finite and its row ends with stop reason "error" (`specjax.loop`).
+    """
+    new_k, new_v = finite_or_zero(new_k), finite_or_zero(new_v)
     return cache.replace(
         k=write_rows(cache.k, rearrange(new_k, "l b t h d -> l b h d t"), cache.lengths, K_SEQ_AXIS),
         v=write_rows(cache.v, rearrange(new_v, "l b t h d -> l b h t d"), cache.lengths, V_SEQ_AXIS),

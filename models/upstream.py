@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
+from specjax.models.finite import check_finite
 
 # (upstream name, our param path, transpose)
 Mapping = list[tuple[str, tuple[str, ...], bool]]
@@ -177,7 +178,8 @@ def _get(tree: dict, path: tuple[str, ...]):
 
 
 def variables_from_tensors(head_cfg, tensors: dict[str, np.ndarray], where: str = "checkpoint"):
-    """Head variables from upstream tensors; shapes are checked against a fresh init."""
+    """Head variables from upstream tensors; shapes are checked against a fresh init, values for
+    NaN / Inf (a CheckpointError naming `where` and the tensor)."""
     from specjax.models.heads import init_head
 
     reference = init_head(head_cfg, jax.random.PRNGKey(0))
@@ -187,6 +189,7 @@ def variables_from_tensors(head_cfg, tensors: dict[str, np.ndarray], where: str 
         if name not in tensors:
             raise ValueError(f"{where}: missing tensor {name!r}")
         value = np.asarray(tensors[name], np.float32)
+        check_finite(value, where, f"tensor {name!r}")
         value = value.T if transpose else value
         want = _get(reference["params"], path).shape
         if value.shape != want:

@@ -34,7 +34,9 @@ class TokenResult:
     """One row's output at the token level."""
 
     token_ids: list[int]  # emitted tokens (EOS included when it ended the row)
-    stop_reason: str  # "eos" | "stop" | "length"
+    # "eos" | "stop" | "length" | "error"; "error": the target's logits for the next token were
+    # NaN / Inf (a damaged checkpoint or an overflow), token_ids hold the tokens chosen before
+    stop_reason: str
     time_s: float  # wall time of the batch this row ran in
     spec: dict | None = None  # speculative metrics of the row, when speculating
 
@@ -47,7 +49,7 @@ class Generation:
     completion: str
     token_ids: list[int]
     num_new_tokens: int
-    stop_reason: str
+    stop_reason: str  # "eos" | "stop" | "length" | "error" (see TokenResult.stop_reason)
     time_s: float
     spec: dict | None = None
 

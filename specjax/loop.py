@@ -7,7 +7,8 @@ State invariants, per row b:
 - `done[b]` rows keep their outputs; later steps compute on them but change nothing.
 
 `append_block` is shared with the speculative loop: it appends up to K tokens per row and ends
-a row exactly at the first EOS, stop sequence or max_new_tokens inside the block.
+a row exactly at the first EOS, stop sequence or max_new_tokens inside the block, or at the
+first token the target chose from non-finite logits (stop reason ERROR, that token dropped).
 """
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ from specjax.models.llama import forward
 from specjax.sampling import SamplingParams, sample
 
 # stop_reason codes
-RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
-STOP_REASONS = {RUNNING: "running", EOS: "eos", STOP: "stop", LENGTH: "length"}
+RUNNING, EOS, STOP, LENGTH, ERROR = 0, 1, 2, 3, 4
+STOP_REASONS = {RUNNING: "running", EOS: "eos", STOP: "stop", LENGTH: "length", ERROR: "error"}
+
+
+def logits_finite(logits: jax.Array) -> jax.Array:
+    """`[...]` bool: every logit of the row `[..., V]` is finite (False: NaN / Inf somewhere)."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 @struct.dataclass
@@ -99,12 +105,19 @@ def _stop_hits(tokens: jax.Array, ends: jax.Array, starts: jax.Array, criteria: 
 
 
 def append_block(
-    state: DecodeState, block: jax.Array, counts: jax.Array, criteria: StopCriteria
+    state: DecodeState,
+    block: jax.Array,
+    counts: jax.Array,
+    criteria: StopCriteria,
+    finite: jax.Array | None = None,
 ) -> DecodeState:
     """Appends `block[b, :counts[b]]` (`[B, K]`, counts `[B]` >= 1) to each running row.
 
     A row ends exactly at the first EOS / stop sequence / max_new_tokens inside its block; the
     tokens after that point are not emitted. Done rows are left unchanged.
+    finite: `[B, K]` bool, whether the target's logits that chose block token k were all
+    finite (None: all were). A row reaching a token chosen from non-finite logits ends there
+    with stop reason ERROR, that token NOT emitted (its choice was garbage, never an EOS).
     """
     active = ~state.done
     tokens = _write_block(state.tokens, block, state.num_tokens)
@@ -114,12 +127,14 @@ def append_block(
     is_eos = jnp.any(block[:, :, None] == criteria.eos_ids[None, None, :], axis=-1)
     is_stop = _stop_hits(tokens, ends, state.prompt_lens, criteria)
     is_length = ends - state.prompt_lens[:, None] + 1 >= state.max_new[:, None]
-    ends_row = in_block & (is_eos | is_stop | is_length)
+    is_error = jnp.zeros_like(in_block) if finite is None else ~finite
+    ends_row = in_block & (is_eos | is_stop | is_length | is_error)
     first = jnp.argmax(ends_row, axis=1)  # [B]
     hit = jnp.any(ends_row, axis=1)
-    emitted = jnp.where(hit, first + 1, counts)
     pick = lambda x: jnp.take_along_axis(x, first[:, None], axis=1)[:, 0]  # noqa: E731
-    reason = jnp.where(pick(is_eos), EOS, jnp.where(pick(is_stop), STOP, LENGTH))
+    emitted = jnp.where(hit, first + 1 - pick(is_error), counts)
+    reason = jnp.where(pick(is_error), ERROR, jnp.where(
+        pick(is_eos), EOS, jnp.where(pick(is_stop), STOP, LENGTH)))
     return state.replace(
         tokens=jnp.where(active[:, None], tokens, state.tokens),
         num_tokens=state.num_tokens + jnp.where(active, emitted, 0),
@@ -176,7 +191,8 @@ def prefill(
     key, sub = jax.random.split(state.key)
     first = sample(sub, out.logits[:, 0], sampling)
     state = state.replace(cache=out.cache.replace(lengths=state.prompt_lens), key=key)
-    return append_block(state, first[:, None], jnp.ones((batch,), jnp.int32), criteria), out
+    ones = jnp.ones((batch,), jnp.int32)
+    return append_block(state, first[:, None], ones, criteria, logits_finite(out.logits)), out
 
 
 def ar_step(
@@ -189,7 +205,8 @@ def ar_step(
     next_token = sample(sub, out.logits[:, 0], sampling)
     cache = out.cache.advance(jnp.where(state.done, 0, 1))
     state = state.replace(cache=cache, key=key, step=state.step + 1)
-    return append_block(state, next_token[:, None], jnp.ones_like(state.num_tokens), criteria)
+    ones = jnp.ones_like(state.num_tokens)
+    return append_block(state, next_token[:, None], ones, criteria, logits_finite(out.logits))
 
 
 @functools.partial(
@@ -259,7 +276,8 @@ def spec_step(
     drafted = jnp.max(jnp.where(draft.valid, jnp.asarray(tree.node_depth)[None, :], 0), axis=1)
     metrics = metrics.record(active, drafted, result.num_accepted)
     state = state.replace(cache=cache, key=key, step=state.step + 1)
-    state = append_block(state, block, result.num_accepted + 1, criteria)
+    path_finite = jnp.take_along_axis(logits_finite(target_out.logits), result.path, axis=1)
+    state = append_block(state, block, result.num_accepted + 1, criteria, path_finite)
     drafter_state = drafter.update(drafter_params, drafter_state, state, result, target_out)
     return state, drafter_state, metrics
 

@@ -6,6 +6,8 @@ any acceptance rule, which is what makes speculative sampling exact.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -26,11 +28,15 @@ class SamplingParams:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
+        """Validated params; ValueError naming the parameter when one is NaN, infinite or out of
+        range (temperature >= 0, top_k an integer >= 0, top_p in (0, 1])."""
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if top_k is not None and not (
+            math.isfinite(top_k) and top_k >= 0 and int(top_k) == top_k
+        ):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         return cls(
             temperature=jnp.float32(temperature),

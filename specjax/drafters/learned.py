@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.draft_model import draw_children, tree_levels
+from specjax.models.finite import check_tree_finite
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
@@ -143,7 +144,8 @@ def check_head_target(head_cfg, target_cfg) -> None:
 def load_learned_drafter(kind: str, folder: str, tree: TreeSpec, target_cfg, target_params):
     """(drafter, drafter params) of a learned head in `folder`: a `specjax train-drafter`
     output (drafter.json + orbax checkpoints; latest step) or, for eagle3 / dflash, an upstream
-    Hugging Face folder (config.json + *.safetensors)."""
+    Hugging Face folder (config.json + *.safetensors). A weight holding NaN / Inf is refused
+    (CheckpointError naming the folder and the tensor)."""
     from pathlib import Path
 
     path = Path(folder)
@@ -155,6 +157,7 @@ def load_learned_drafter(kind: str, folder: str, tree: TreeSpec, target_cfg, tar
         from specjax.train.trainer import load_trained
 
         head_cfg, variables = load_trained(path, target_cfg)
+        check_tree_finite(variables["params"], path / "checkpoints")
         if head_cfg.kind != kind:
             raise ValueError(f"{folder} holds a {head_cfg.kind} drafter, not {kind}")
     elif (path / "config.json").exists():

@@ -7,7 +7,8 @@ math in f32. All rules share one shape contract:
   target_logits `[B, 1 + N, V]` (verify layout: row 0 = root, row i + 1 = node i; row v holds
   the target's logits for the token *after* v), draft = Draft{tokens `[B, N]`, valid `[B, N]`,
   probs `[B, N, V]` | None}  ->  AcceptResult{path `[B, Dmax + 1]`, num_accepted `[B]`,
-  next_token `[B]`}.
+  next_token `[B]`}. key: the rows' keys `[B, 2]` (row b's draws use only its own key) or one
+  key split across the rows (`specjax.rng`).
 
 Rules (DESIGN.md, "Acceptance rules"):
 
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.rng import per_row
 from specjax.sampling import SamplingParams, probabilities
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
@@ -74,9 +76,11 @@ def _at_parents(x: jax.Array, tokens: jax.Array, tree: TreeSpec) -> jax.Array:
 
 
 def _uniforms(key: jax.Array, batch: int, count: int) -> jax.Array:
-    """`[B, count]` f32 uniforms in (0, 1) from ONE PRNG call: every rule draws all its
-    randomness at once (each threefry call site adds ~0.3 s of XLA compile time on CPU)."""
-    return jax.random.uniform(key, (batch, count), jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
+    """`[B, count]` f32 uniforms in (0, 1), row b from its own key (`key`: row keys `[B, 2]` or
+    one key; `specjax.rng`), from ONE PRNG call site: every rule draws all its randomness at
+    once (each threefry call site adds ~0.3 s of XLA compile time on CPU)."""
+    tiny = jnp.finfo(jnp.float32).tiny
+    return per_row(key, batch, lambda k: jax.random.uniform(k, (count,), jnp.float32, tiny, 1.0))
 
 
 def _sample(uniforms: jax.Array, probs: jax.Array) -> jax.Array:

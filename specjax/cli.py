@@ -255,6 +255,7 @@ def cmd_generate(args) -> int:
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
+            prompt_ids=[r["id"] for r in todo],
             schedule=schedule,
         )
         for first, gens in batches:

@@ -21,7 +21,8 @@ from flax import struct
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward
-from specjax.sampling import SamplingParams, sample
+from specjax.rng import as_row_keys, sample_rows, split_rows, step_keys
+from specjax.sampling import SamplingParams
 
 # stop_reason codes
 RUNNING, EOS, STOP, LENGTH, ERROR = 0, 1, 2, 3, 4
@@ -69,13 +70,18 @@ class DecodeState:
     done: jax.Array  # [B] bool
     stop_reason: jax.Array  # [B] int32
     cache: KVCache
-    key: jax.Array
+    row_keys: jax.Array  # [B, 2] uint32 each row's PRNG key (constant; see `next_keys`)
     step: jax.Array  # [] int32 decode steps taken
 
     @property
     def num_new(self) -> jax.Array:
         """`[B]` emitted tokens per row."""
         return self.num_tokens - self.prompt_lens
+
+    def next_keys(self) -> jax.Array:
+        """`[B, 2]` each row's key for its next draw: fold_in(row key, tokens it has emitted),
+        so a row's randomness never depends on the other rows of its batch."""
+        return step_keys(self.row_keys, self.num_new)
 
     @property
     def last_token(self) -> jax.Array:
@@ -151,7 +157,10 @@ def init_state(
     key: jax.Array,
     width: int,
 ) -> DecodeState:
-    """State before prefill; prompt_tokens `[B, P]` right-padded, buffer width W >= P."""
+    """State before prefill; prompt_tokens `[B, P]` right-padded, buffer width W >= P.
+
+    key: the rows' keys `[B, 2]` (`specjax.rng.job_row_keys`), or ONE key split across rows.
+    """
     batch, prompt_width = prompt_tokens.shape
     tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_width].set(prompt_tokens)
     return DecodeState(
@@ -162,7 +171,7 @@ def init_state(
         done=max_new <= 0,
         stop_reason=jnp.where(max_new <= 0, LENGTH, RUNNING).astype(jnp.int32),
         cache=cache,
-        key=key,
+        row_keys=as_row_keys(key, batch),
         step=jnp.int32(0),
     )
 
@@ -188,9 +197,8 @@ def prefill(
         hidden_layers=hidden_layers,
         logit_indices=(state.prompt_lens - 1)[:, None],
     )
-    key, sub = jax.random.split(state.key)
-    first = sample(sub, out.logits[:, 0], sampling)
-    state = state.replace(cache=out.cache.replace(lengths=state.prompt_lens), key=key)
+    first = sample_rows(state.next_keys(), out.logits[:, 0], sampling)
+    state = state.replace(cache=out.cache.replace(lengths=state.prompt_lens))
     ones = jnp.ones((batch,), jnp.int32)
     return append_block(state, first[:, None], ones, criteria, logits_finite(out.logits)), out
 
@@ -201,10 +209,9 @@ def ar_step(
     """One plain decoding step: forward the root token, sample, append."""
     positions = state.cache.lengths[:, None]
     out = forward(cfg, params, state.last_token[:, None], positions, state.cache)
-    key, sub = jax.random.split(state.key)
-    next_token = sample(sub, out.logits[:, 0], sampling)
+    next_token = sample_rows(state.next_keys(), out.logits[:, 0], sampling)
     cache = out.cache.advance(jnp.where(state.done, 0, 1))
-    state = state.replace(cache=cache, key=key, step=state.step + 1)
+    state = state.replace(cache=cache, step=state.step + 1)
     ones = jnp.ones_like(state.num_tokens)
     return append_block(state, next_token[:, None], ones, criteria, logits_finite(out.logits))
 
@@ -228,7 +235,8 @@ def generate_program(
     """Prefill + decode until every row is done, as ONE XLA program.
 
     prompt_tokens `[B, P]` right-padded (P is the prompt bucket), prompt_lens `[B]`, max_new
-    `[B]` (0 marks a padding row), cache of capacity >= width (donated), width W = the token
+    `[B]` (0 marks a padding row), cache of capacity >= width (donated), key: the rows' PRNG
+    keys `[B, 2]` (or one key split across rows; see `init_state`), width W = the token
     buffer size >= P + max(max_new). Returns the final DecodeState.
     """
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
@@ -265,7 +273,8 @@ def spec_step(
     from specjax.verify import verify
 
     tree = drafter.tree
-    key, propose_key, accept_key = jax.random.split(state.key, 3)
+    batch = state.tokens.shape[0]
+    propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
     root = state.last_token
     target_out = verify(cfg, params, state.cache, root, draft, tree, drafter.hidden_layers)
@@ -275,7 +284,7 @@ def spec_step(
     block = accepted_tokens(jnp.concatenate([root[:, None], draft.tokens], axis=1), result)
     drafted = jnp.max(jnp.where(draft.valid, jnp.asarray(tree.node_depth)[None, :], 0), axis=1)
     metrics = metrics.record(active, drafted, result.num_accepted)
-    state = state.replace(cache=cache, key=key, step=state.step + 1)
+    state = state.replace(cache=cache, step=state.step + 1)
     path_finite = jnp.take_along_axis(logits_finite(target_out.logits), result.path, axis=1)
     state = append_block(state, block, result.num_accepted + 1, criteria, path_finite)
     drafter_state = drafter.update(drafter_params, drafter_state, state, result, target_out)

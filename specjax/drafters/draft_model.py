@@ -42,6 +42,7 @@ from specjax.drafters.base import Drafter
 from specjax.models.cache import KVCache, compact, init_cache
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward
+from specjax.rng import per_row, split_rows
 from specjax.sampling import SamplingParams, processed_logits
 from specjax.tree import TreeSpec
 from specjax.types import Draft
@@ -229,11 +230,12 @@ def draw_children(
     """Children from the parents' raw draft logits `[B, K, V]`: child c takes candidate
     `ranks[c]` of parent `cols[c]` (`[C]` each; num_ranks static >= max rank + 1).
 
+    key: the rows' keys `[B, 2]` (row b's noise from its own key) or one key.
     Returns tokens `[B, C]`, ok `[B, C]` (inside the processed support) and probs `[B, C, V]`
     (the distribution each child was drawn from; see the module docstring).
     """
     scores = processed_logits(logits, sampling)  # [B, K, V], -inf outside top-k / top-p
-    noise = jax.random.gumbel(key, scores.shape, jnp.float32)
+    noise = per_row(key, scores.shape[0], lambda k: jax.random.gumbel(k, scores.shape[1:], jnp.float32))
     noisy = scores + jnp.where(sampling.is_greedy, 0.0, noise)
     cand_scores, cand = jax.lax.top_k(noisy, num_ranks)  # [B, K, R]
     tokens = cand[:, cols, ranks]
@@ -318,7 +320,7 @@ class DraftModelDrafter(Drafter):
             "parent": children.parent,
         }
         tables = {k: jnp.asarray(v) for k, v in tables.items()}
-        tables["key"] = jax.random.split(key, tree.max_depth)
+        tables["key"] = split_rows(key, batch, tree.max_depth)  # [Dmax, B, 2]
 
         def iteration(carry, t):
             cache, tokens, valid, probs = carry

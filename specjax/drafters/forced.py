@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import yaml
 
 from specjax.drafters.base import Drafter
-from specjax.sampling import SamplingParams, sample
+from specjax.rng import per_row, sample_rows, split_rows
+from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
 
@@ -58,12 +59,13 @@ def accept_forced(
     """
     from specjax.accept import _all_ancestors, _at_row, _deepest, _result
 
-    key_coins, key_next = jax.random.split(key)
+    batch, num_nodes = draft.tokens.shape
+    key_coins, key_next = split_rows(key, batch, 2)  # [B, 2] each
     pass_prob = jnp.asarray(conditional, jnp.float32)[jnp.asarray(tree.node_depth) - 1]  # [N]
-    coins = jax.random.uniform(key_coins, draft.tokens.shape, jnp.float32)
+    coins = per_row(key_coins, batch, lambda k: jax.random.uniform(k, (num_nodes,), jnp.float32))
     passed = draft.valid & (coins < pass_prob[None, :])
     last = _deepest(_all_ancestors(passed, tree), tree)
-    return _result(last, sample(key_next, _at_row(target_logits, last), sampling), tree)
+    return _result(last, sample_rows(key_next, _at_row(target_logits, last), sampling), tree)
 
 
 def expected_accepted(tree: TreeSpec, conditional: Sequence[float]) -> float:
@@ -117,10 +119,10 @@ class ForcedDrafter(Drafter):
                              f"target's vocabulary {target_cfg.vocab_size}")
 
     def propose(self, params, state, decode, key, sampling):
-        batch = decode.tokens.shape[0]
-        shape = (batch, self.tree.num_nodes)
-        tokens = jax.random.randint(key, shape, 0, self.vocab_size, dtype=jnp.int32)
-        return Draft(tokens=tokens, valid=jnp.ones(shape, bool)), state
+        batch, num_nodes = decode.tokens.shape[0], self.tree.num_nodes
+        tokens = per_row(key, batch, lambda k: jax.random.randint(
+            k, (num_nodes,), 0, self.vocab_size, dtype=jnp.int32))
+        return Draft(tokens=tokens, valid=jnp.ones((batch, num_nodes), bool)), state
 
     def accept(self, params, key, target_logits, draft, sampling):
         return accept_forced(key, target_logits, draft, self.tree, sampling, params["conditional"])

@@ -20,6 +20,7 @@ import numpy as np
 
 from specjax.drafters.draft_model import draw_children, tree_levels
 from specjax.models.finite import check_tree_finite
+from specjax.rng import split_rows
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
@@ -48,7 +49,7 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
     probs = jnp.zeros((batch, num, vocab), jnp.float32)
     logp = jnp.zeros((batch, num), jnp.float32)
     levels = tree_levels(tree)
-    keys = jax.random.split(key, tree.max_depth)
+    keys = split_rows(key, batch, tree.max_depth)  # [Dmax, B, 2]: one per level and row
     logits = first_logits
     for i, level in enumerate(levels):
         if i > 0:

@@ -16,16 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
-from specjax.models.finite import check_finite
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded: the message names the file and what is wrong with it."""
-
-    def __init__(self, path, problem: str):
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
+from specjax.models.finite import CheckpointError, check_finite
 
 
 @dataclasses.dataclass(frozen=True)

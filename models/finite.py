@@ -26,6 +26,15 @@ def nonfinite_counts(array) -> tuple[int, int]:
     return nans, int(values.size - finite.sum()) - nans
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded: the message names the file and what is wrong with it."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
 def describe_nonfinite(nans: int, infs: int) -> str:
     """'1 NaN value(s)', '2 infinite value(s)' or '1 NaN and 2 infinite value(s)'."""
     parts = [f"{nans} NaN" if nans else "", f"{infs} infinite" if infs else ""]
@@ -37,8 +46,6 @@ def check_finite(array, path: str | os.PathLike, what: str) -> None:
 
     what: names the tensor as the file does, e.g. "tensor 'blk.3.attn_q.weight'".
     """
-    from specjax.models.checkpoint import CheckpointError  # checkpoint.py imports this module
-
     nans, infs = nonfinite_counts(array)
     if nans or infs:
         raise CheckpointError(path, f"{what} has {describe_nonfinite(nans, infs)}")

@@ -20,6 +20,7 @@ from specjax.cli_options import (
     num_draft,
     positive_int,
     probability,
+    seed,
 )
 
 #: the chain length of --draft without --num-draft / --tree
@@ -140,7 +141,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--stop", action="append", type=non_empty_text, default=None,
@@ -150,10 +151,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def check_draft_spec(spec: str, option: str = "--draft") -> None:
     """An InputError unless `spec` starts with a registered drafter name (checked before any
     model loads; the drafter's own argument is checked when it is built)."""
-    from specjax.drafters.registry import available_drafters
+    from specjax.drafters.registry import check_spec
 
-    if spec.strip().partition(":")[0] not in available_drafters():
-        raise InputError(f"{option} {spec!r}: unknown drafter; choose from {available_drafters()}")
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise InputError(f"{option} {spec!r}: {e}") from None
 
 
 def draft_shape(args):

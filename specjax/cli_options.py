@@ -75,6 +75,14 @@ def num_draft(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seed(text: str) -> int:
+    """An argparse type: a PRNG seed, an integer in [0, 2**32)."""
+    value = _parsed(text, int)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {value}")
+    return value
+
+
 def non_empty_text(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")

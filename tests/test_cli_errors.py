@@ -78,7 +78,12 @@ CASES = [
     ([*GEN, "--top-p", "1.5"], "argument --top-p: must be in (0, 1]"),
     ([*GEN, "--top-p", "nan"], "argument --top-p: must be a finite number"),
     ([*GEN, "--stop", ""], "argument --stop: must not be empty"),
-    ([*GEN, "--seed", "1.5"], "argument --seed: invalid int value"),
+    ([*GEN, "--seed", "1.5"], "argument --seed: expected an integer, got '1.5'"),
+    ([*GEN, "--seed", "-1"], "argument --seed: must be an integer in [0, 2**32)"),
+    ([*GEN, "--draft", "ngram:abc"], "--draft 'ngram:abc': ngram: expected N or A-B"),
+    ([*GEN, "--draft", "ngram:3-1"], "expected 1 <= A <= B"),
+    ([*GEN, "--draft", "layerskip:0"], "layerskip:K: expected an integer >= 1"),
+    ([*GEN, "--draft", "eagle3"], "eagle3:DIR needs its argument"),
     # draft shape
     ([*SPEC, "--num-draft", "0"], "argument --num-draft: a draft length must be in [1, 64], got 0"),
     ([*SPEC, "--num-draft", "1000"], "argument --num-draft: a draft length must be in [1, 64]"),

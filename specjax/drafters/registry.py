@@ -25,6 +25,8 @@ from specjax.tree import TreeSpec
 
 Factory = Callable[[str, "DraftContext"], tuple[Any, Any]]
 FACTORIES: dict[str, Factory] = {}
+#: name -> check(arg): raises ValueError for a malformed argument, before any model loads
+ARG_CHECKS: dict[str, Callable[[str], Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +42,25 @@ class DraftContext:
     loader: Callable[[str, str], Any] | None = None
 
 
-def register(name: str) -> Callable[[Factory], Factory]:
+def register(name: str, check_arg: Callable[[str], Any] | None = None) -> Callable[[Factory], Factory]:
+    """Registers a factory under `name`; `check_arg(arg)` (optional) validates the spec's
+    argument without a target, so `check_spec` can refuse it before any model loads."""
     def add(factory: Factory) -> Factory:
         FACTORIES[name] = factory
+        if check_arg is not None:
+            ARG_CHECKS[name] = check_arg
         return factory
 
     return add
+
+
+def check_spec(spec: str) -> None:
+    """Raises ValueError for an unknown drafter name or a malformed argument (no model needed)."""
+    name, _, arg = spec.strip().partition(":")
+    if name not in FACTORIES:
+        raise ValueError(f"unknown drafter {spec!r}; choose from {available_drafters()}")
+    if name in ARG_CHECKS:
+        ARG_CHECKS[name](arg)
 
 
 def available_drafters() -> list[str]:
@@ -68,6 +83,31 @@ def parse_int(arg: str, what: str) -> int:
         return int(arg)
     except ValueError:
         raise ValueError(f"{what}: expected an integer, got {arg!r}") from None
+
+
+def _check_range(default: tuple[int, int], what: str) -> Callable[[str], None]:
+    def check(arg: str) -> None:
+        low, high = parse_range(arg, default, what)
+        if not 1 <= low <= high:
+            raise ValueError(f"{what}: expected 1 <= A <= B, got {arg!r}")
+
+    return check
+
+
+def _check_positive_int(what: str) -> Callable[[str], None]:
+    def check(arg: str) -> None:
+        if parse_int(arg, what) < 1:
+            raise ValueError(f"{what}: expected an integer >= 1, got {arg!r}")
+
+    return check
+
+
+def _check_given(what: str) -> Callable[[str], None]:
+    def check(arg: str) -> None:
+        if not arg.strip():
+            raise ValueError(f"{what} needs its argument after the colon")
+
+    return check
 
 
 def make_drafter(
@@ -107,7 +147,7 @@ def make_drafter(
 # ---- built-in drafters -------------------------------------------------------------------------
 
 
-@register("ngram")
+@register("ngram", _check_range((1, 3), "ngram"))
 def _ngram(arg: str, ctx: DraftContext):
     from specjax.drafters.ngram import NgramDrafter
 
@@ -115,7 +155,7 @@ def _ngram(arg: str, ctx: DraftContext):
     return NgramDrafter(tree=ctx.tree, n_min=n_min, n_max=n_max), None
 
 
-@register("suffix")
+@register("suffix", _check_range((1, 6), "suffix"))
 def _suffix(arg: str, ctx: DraftContext):
     from specjax.drafters.suffix import SuffixDrafter
 
@@ -123,7 +163,7 @@ def _suffix(arg: str, ctx: DraftContext):
     return SuffixDrafter(tree=ctx.tree, n_min=n_min, n_max=n_max), None
 
 
-@register("layerskip")
+@register("layerskip", _check_positive_int("layerskip:K"))
 def _layerskip(arg: str, ctx: DraftContext):
     from specjax.drafters.layerskip import layerskip_drafter
 
@@ -132,7 +172,7 @@ def _layerskip(arg: str, ctx: DraftContext):
     return layerskip_drafter(ctx.tree, ctx.target_cfg, parse_int(arg, "layerskip:K")), ctx.target_params
 
 
-@register("model")
+@register("model", _check_given("model:NAME_OR_PATH"))
 def _model(arg: str, ctx: DraftContext):
     from specjax.drafters.draft_model import DraftModelDrafter
 
@@ -180,4 +220,4 @@ def _learned(kind: str) -> Factory:
 
 
 for _kind in ("eagle3", "mtp", "medusa", "dflash", "dspark"):
-    register(_kind)(_learned(_kind))
+    register(_kind, _check_given(f"{_kind}:DIR"))(_learned(_kind))

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from specjax.api import generate_ids
-from specjax.cli import read_prompts
+from specjax.prompt_io import read_prompts
 from specjax.models.hub import load_model
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"

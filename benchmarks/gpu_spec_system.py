@@ -9,10 +9,10 @@ random draft tokens whose acceptance follows PROFILE (conditional per position),
 target verifies every token in full. For B in {1, 16, 64} and D in {1, 3, 7, 15, 31}:
 
   - decode throughput of plain decoding (AR) and of speculation, by difference of two runs of
-    the same compiled program (`specjax.bench.decode_rate`: prefill and fixed costs cancel);
+    the same compiled program (`specjax.measure.bench.decode_rate`: prefill and fixed costs cancel);
   - speedup = spec / AR; ideal speedup = E[tokens/step] x T_target(B, 1) /
     (T_target(B, 1 + D) + T_draft(B, D)) with E exact for the profile and T from
-    `specjax.profile` (compile excluded); system efficiency = speedup / ideal;
+    `specjax.measure.profile` (compile excluded); system efficiency = speedup / ideal;
   - the tuner's pick per B (`specjax.tune.predictions` on the exact profile and the measured
     latencies, D = 0 included) against the sweep's measured best.
 
@@ -31,12 +31,12 @@ from pathlib import Path
 import jax
 
 from specjax.api import bucket
-from specjax.bench import RunConfig, decode_rate, encode_rows, ideal_speedup
-from specjax.datasets import synthetic_rows
+from specjax.measure.bench import RunConfig, decode_rate, encode_rows, ideal_speedup
+from specjax.measure.datasets import synthetic_rows
 from specjax.drafters.forced import expected_accepted, extend_profile, make_forced
-from specjax.profile import load_target, profile_latency
+from specjax.measure.profile import load_target, profile_latency
 from specjax.tree import chain
-from specjax.tune import Calibration, Candidate, predictions
+from specjax.measure.tune import Calibration, Candidate, predictions
 
 FULL = {"model": "random:llama3-8b", "dtype": "bfloat16", "batch_sizes": (1, 16, 64),
         "draft_lengths": (1, 3, 7, 15, 31), "prompt_len": 128, "max_new_tokens": 128, "repeats": 3}

@@ -17,7 +17,7 @@ Per category this script
      (Replayed AL counts emitted tokens; the engine's metrics, like vLLM's, also count drafts
      accepted past max_new_tokens in a row's last step, at most D per row more.)
   3. times one decoding step without and with the ngram chain (D = 4) at the mean prompt length
-     (`specjax.profile`, interleaved medians) for the verify-cost ratio;
+     (`specjax.measure.profile`, interleaved medians) for the verify-cost ratio;
   4. bounds the end-to-end speedup over plain decoding, tokens/s including prefill as in
      `benchmarks/spec_vs_ar.py`: with free verification and drafting,
         speedup <= (prefill + decode) / (prefill + decode / AL_oracle),
@@ -36,11 +36,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specjax.bench import RunConfig, encode_by_category, generate_batches, warm_up
-from specjax.datasets import load_prompt_set, select_rows
+from specjax.measure.bench import RunConfig, encode_by_category, generate_batches, warm_up
+from specjax.measure.datasets import load_prompt_set, select_rows
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.hub import load_model
-from specjax.profile import ar_step_timer, interleaved_medians, step_timer
+from specjax.measure.profile import ar_step_timer, interleaved_medians, step_timer
 from specjax.tree import chain
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"

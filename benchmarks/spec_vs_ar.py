@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.bench import (
+from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
     encode_by_category,
@@ -31,7 +31,7 @@ from specjax.bench import (
     timed_run,
     warm_up,
 )
-from specjax.datasets import load_prompt_set, select_rows
+from specjax.measure.datasets import load_prompt_set, select_rows
 from specjax.metrics import job_summary
 from specjax.models.hub import load_model
 from specjax.tree import chain

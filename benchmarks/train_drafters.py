@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_drafters"))
     args = p.parse_args(argv)
 
-    from specjax.cli import read_prompts
-    from specjax.datasets import load_prompt_set
+    from specjax.prompt_io import read_prompts
+    from specjax.measure.datasets import load_prompt_set
     from specjax.drafters.learned import drafter_params, make_learned_drafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.models.hub import load_model

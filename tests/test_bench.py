@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.bench import (
+from specjax.drafters.forced import (
+    MAX_DEPTH,
+    ForcedDrafter,
+    accept_forced,
+    expected_accepted,
+    forced_params,
+    make_forced,
+)
+from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
     build_report,
@@ -20,15 +28,7 @@ from specjax.bench import (
     validate_report,
     warm_tokens,
 )
-from specjax.datasets import load_prompt_set, select_rows, synthetic_rows
-from specjax.drafters.forced import (
-    MAX_DEPTH,
-    ForcedDrafter,
-    accept_forced,
-    expected_accepted,
-    forced_params,
-    make_forced,
-)
+from specjax.measure.datasets import load_prompt_set, select_rows, synthetic_rows
 from specjax.metrics import SpecMetrics, job_summary, length_histogram, row_summaries, summarize
 from specjax.sampling import SamplingParams
 from specjax.tree import chain, k_ary
@@ -254,6 +254,6 @@ def test_bench_end_to_end_forced(tiny_model, tmp_path):
     assert o["spec"]["accepted_length_histogram"][0] == 0 == o["spec"]["accepted_length_histogram"][2]
     assert set(report["categories"]) == {"a", "b"}
     pytest.importorskip("matplotlib")
-    from specjax.bench import write_plots
+    from specjax.measure.bench import write_plots
 
     assert all(p.exists() for p in write_plots(report, tmp_path))

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 import specjax.api
+import specjax.measure.profile
 import specjax.models.hub
-import specjax.profile
 from specjax.api import Generation
 from specjax.cli import main
 
@@ -22,7 +22,7 @@ def _forbid_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before the inputs were checked")
 
     monkeypatch.setattr(specjax.models.hub, "load_model", load)
-    monkeypatch.setattr(specjax.profile, "load_target", load)
+    monkeypatch.setattr(specjax.measure.profile, "load_target", load)
 
 
 def run_cli(argv) -> int:
@@ -383,8 +383,8 @@ def test_error_rows_are_written_and_exit_1(tmp_path, fake_model, capsys):
 
 
 def test_empty_prompt_sets_are_refused_by_the_library_too():
-    from specjax.bench import RunConfig, run_bench
-    from specjax.tune import TuneConfig, tune
+    from specjax.measure.bench import RunConfig, run_bench
+    from specjax.measure.tune import TuneConfig, tune
 
     with pytest.raises(ValueError, match="at least one prompt"):
         tune(None, [], "ngram", RunConfig(max_new_tokens=4, batch_size=1), TuneConfig())
@@ -394,12 +394,12 @@ def test_empty_prompt_sets_are_refused_by_the_library_too():
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_bench_report_on_a_full_disk_is_one_error_line(monkeypatch, capsys):
-    import specjax.bench
+    import specjax.measure.bench
 
-    monkeypatch.setattr(specjax.profile, "load_target", lambda *a, **k: SimpleNamespace(tokenizer=None))
-    monkeypatch.setattr(specjax.bench, "make_any_drafter", lambda *a, **k: (None, None))
-    monkeypatch.setattr(specjax.bench, "run_bench", lambda *a, **k: {"overall": {}})
-    monkeypatch.setattr(specjax.bench, "summary_lines", lambda report: [])
+    monkeypatch.setattr(specjax.measure.profile, "load_target", lambda *a, **k: SimpleNamespace(tokenizer=None))
+    monkeypatch.setattr(specjax.measure.bench, "make_any_drafter", lambda *a, **k: (None, None))
+    monkeypatch.setattr(specjax.measure.bench, "run_bench", lambda *a, **k: {"overall": {}})
+    monkeypatch.setattr(specjax.measure.bench, "summary_lines", lambda report: [])
     assert run_cli([*BENCH, "--json", "/dev/full"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "specjax: error: cannot write /dev/full: No space left on device")

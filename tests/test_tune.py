@@ -6,10 +6,8 @@ import dataclasses
 import pytest
 
 from specjax.drafters.ngram import NgramDrafter
-from specjax.profile import LatencyProfile, shape_config, target_latency
-from specjax.schedule import Bucket, Schedule, load_schedule, scheduled
-from specjax.tree import chain, load_tree
-from specjax.tune import (
+from specjax.measure.profile import LatencyProfile, shape_config, target_latency
+from specjax.measure.tune import (
     Calibration,
     Candidate,
     batch_steps,
@@ -23,6 +21,8 @@ from specjax.tune import (
     throughput,
     tile_draft_lengths,
 )
+from specjax.schedule import Bucket, Schedule, load_schedule, scheduled
+from specjax.tree import chain, load_tree
 
 # ---- throughput model --------------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ def test_latency_profiles_merge_by_batch_size():
 
 
 def test_tune_config_needs_batch_sizes():
-    from specjax.tune import TuneConfig
+    from specjax.measure.tune import TuneConfig
 
     with pytest.raises(ValueError, match="batch sizes"):
         TuneConfig(batch_sizes=())
@@ -215,9 +215,9 @@ def test_cli_parses_measurement_commands():
 @pytest.fixture
 def tiny_target(tiny_model):
     """(the tiny model as a tokenizer-less target, two synthetic prompts' ids)."""
-    from specjax.bench import encode_rows
-    from specjax.datasets import synthetic_rows
-    from specjax.profile import RandomModel
+    from specjax.measure.bench import encode_rows
+    from specjax.measure.datasets import synthetic_rows
+    from specjax.measure.profile import RandomModel
 
     model = RandomModel(*tiny_model)
     return model, encode_rows(model, synthetic_rows(2, 12))
@@ -225,8 +225,8 @@ def tiny_target(tiny_model):
 
 def test_measure_candidates_runs_each_shape(tiny_target):
     """The self-check path (same program shapes as test_bench's e2e, so it reuses compiles)."""
-    from specjax.bench import RunConfig
-    from specjax.tune import measure_candidates
+    from specjax.measure.bench import RunConfig
+    from specjax.measure.tune import measure_candidates
 
     model, ids = tiny_target
     run = RunConfig(max_new_tokens=16, batch_size=2, ignore_eos=True)
@@ -248,7 +248,7 @@ def test_calibration_prefers_a_candidates_own_run():
 
 
 def test_sweep_summary_compares_the_pick_and_the_model_choice():
-    from specjax.tune import sweep_summary
+    from specjax.measure.tune import sweep_summary
 
     preds = [{"label": "2", "measured_tps": 90.0}, {"label": "1", "measured_tps": 100.0},
              {"label": "0", "measured_tps": 80.0}]
@@ -259,8 +259,8 @@ def test_sweep_summary_compares_the_pick_and_the_model_choice():
 
 def test_median_rates_ignore_one_slow_pass():
     """Per batch, the median over passes counts: a pass slowed 10x by a load burst is ignored."""
-    from specjax.bench import ModeRecord
-    from specjax.tune import median_rates
+    from specjax.measure.bench import ModeRecord
+    from specjax.measure.tune import median_rates
 
     def rec(total, ttft):  # 2 rows, 10 new tokens each (the first from prefill)
         return ModeRecord(new_tokens=20, first_tokens=2, batch_times=[total], ttfts=[ttft])
@@ -275,8 +275,8 @@ def test_median_rates_ignore_one_slow_pass():
 def test_tune_end_to_end_with_a_forced_drafter(tiny_target):
     """The whole tuner on a tiny model: calibration, profile, ranking, the check with step
     costs re-profiled before every pass, the sweep, and a schedule that loads."""
-    from specjax.bench import RunConfig
-    from specjax.tune import TuneConfig, tune
+    from specjax.measure.bench import RunConfig
+    from specjax.measure.tune import TuneConfig, tune
 
     model, ids = tiny_target
     # long enough that decode time (full run - first-token run) stays well above timer noise

@@ -44,7 +44,7 @@ def _jsonl_resource(module, relative: str) -> list[dict]:
 
 
 def _mtbench() -> list[dict]:
-    from specjax.cli import prompt_row
+    from specjax.prompt_io import prompt_row
 
     records = _jsonl_resource(_module("mtbench"), MTBENCH_FILE)
     return [prompt_row(r, f"mtbench:{i}") for i, r in enumerate(records)]
@@ -95,7 +95,7 @@ def load_prompt_set(source: str) -> list[dict]:
     if source in LOADERS:
         rows = LOADERS[source]()
     else:
-        from specjax.cli import read_prompts
+        from specjax.prompt_io import read_prompts
 
         rows = read_prompts(source)
     for row in rows:

@@ -14,7 +14,7 @@ for batch size B and draft shape c (a chain of D, a tree preset, or none):
 - U: batch utilisation. A batch runs until its slowest row is done, so with per-row steps
   s_i = (tokens_i - 1) / E_i, U = sum_i s_i / (B x sum over batches of max_i s_i) (U = 1 at
   B = 1); computed from the calibration rows grouped as the real run groups them.
-- T_target, T_draft from `specjax.profile` at the run's mean context and buffer width
+- T_target, T_draft from `specjax.measure.profile` at the run's mean context and buffer width
   ("predicted_tps"). "predicted_tps_step" uses T_step(B, c) instead, the measured whole step
   (draft, verify, accept, commit, bookkeeping; T_ar(B) without speculation): the ranking uses
   it when measured, since it includes the loop's own overheads.
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket
-from specjax.bench import (
+from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
     generate_batches,
@@ -52,7 +52,7 @@ from specjax.bench import (
     timed_run,
     warm_up,
 )
-from specjax.profile import LatencyProfile, profile_latency, step_costs
+from specjax.measure.profile import LatencyProfile, profile_latency, step_costs
 from specjax.schedule import Bucket, Schedule, draft_tree, shape_label
 
 TILE_ROWS = 128
@@ -270,7 +270,7 @@ def median_rates(chunk_passes: Sequence[Sequence[ModeRecord]]) -> dict[str, floa
     chunk_passes[c][r] is chunk c's record in pass r. Each chunk's times (and token counts) are
     the medians over its passes, so one pass slowed by a load burst does not move the result:
     {"decode_tokens_per_s", "tokens_per_s"} = summed tokens / summed median seconds."""
-    med = lambda fn, passes: statistics.median(fn(rec) for rec in passes)  # noqa: E731
+    med = lambda fn, passes: statistics.median(fn(rec) for rec in passes)
     tokens = sum(med(lambda r: r.new_tokens, ps) for ps in chunk_passes)
     decode_tokens = sum(med(lambda r: r.new_tokens - r.first_tokens, ps) for ps in chunk_passes)
     time_s = sum(med(lambda r: sum(r.batch_times), ps) for ps in chunk_passes)
@@ -324,7 +324,7 @@ def sweep_summary(preds: Sequence[dict], pick: str) -> dict:
     tps = {p["label"]: p["measured_tps"] or 0.0 for p in preds}
     best = max(tps, key=tps.get)
     # None: no decode time was measured at all (runs too short to time)
-    relative = lambda label: tps[label] / tps[best] if tps[best] else None  # noqa: E731
+    relative = lambda label: tps[label] / tps[best] if tps[best] else None
     return {"best": best, "best_tps": tps[best], "pick_tps": tps[pick], "pick_vs_best": relative(pick),
             "model_pick": preds[0]["label"], "model_pick_vs_best": relative(preds[0]["label"])}
 

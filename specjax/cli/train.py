@@ -5,17 +5,17 @@
 
 OUT holds the data, the orbax checkpoints and drafter.json (`specjax.train.trainer`); load the
 result with `specjax generate --draft eagle3:OUT` (likewise mtp, medusa, dflash, dspark).
-Registered by `specjax.cli.build_parser`; heavy imports happen inside the command.
+Registered by `specjax.cli.main.build_parser`; heavy imports happen inside the command.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
 
-from specjax.cli import InputError, read_prompts
+from specjax.cli.options import InputError, finite_float_above, int_at_least
+from specjax.prompt_io import read_prompts
 
 KINDS = ("eagle3", "mtp", "medusa", "dflash", "dspark")
 
@@ -29,44 +29,7 @@ HEAD_OPTIONS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Option types (argparse `type=`): a bad value is refused before anything loads. Candidates for
-# merging with the generate/bench/tune option types of specjax/cli.py.
-# ---------------------------------------------------------------------------------------------
-
-
-def int_at_least(low: int):
-    """argparse type: an integer >= low."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def finite_float(low: float, *, inclusive: bool):
-    """argparse type: a finite number >= low (inclusive) or > low."""
-    bound = f"{'>=' if inclusive else '>'} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def add_subcommands(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a learned drafter on the target's own outputs",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="preset name, .gguf file or HF folder")
@@ -77,7 +40,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (data, checkpoints, drafter.json); "
                    "must be empty or new unless --resume")
     p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
-    p.add_argument("--lr", type=finite_float(0, inclusive=False), default=3e-4)
+    p.add_argument("--lr", type=finite_float_above(0, inclusive=False), default=3e-4)
     p.add_argument("--warmup", type=int_at_least(0), default=0,
                    help="warmup steps, below --steps (0: 5%% of --steps)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
@@ -90,7 +53,7 @@ def add_subcommands(sub) -> None:
                    help="use the first N prompts")
     p.add_argument("--gen-batch-size", type=int_at_least(1), default=16,
                    help="batch of the data generation")
-    p.add_argument("--gen-temperature", type=finite_float(0, inclusive=True), default=0.0)
+    p.add_argument("--gen-temperature", type=finite_float_above(0, inclusive=True), default=0.0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--depth", type=int_at_least(1),

@@ -1,16 +1,21 @@
-"""`specjax generate --out`: durable appends of whole rows, and a byte-safe scan and repair of
-the file for `--resume`.
+"""Prompt files in, generation rows out: the JSONL I/O that the CLI and the measurement tools share.
+
+Reading: `read_prompts` takes `{"prompt"}` rows and Spec-Bench / MT-bench rows
+(`{"question_id", "category", "turns"}`, first turn), splitting bytes on b"\n" so a bad byte
+is named by file:line. Writing (`specjax generate --out`): durable appends of whole rows, and a
+byte-safe scan and repair of the file for `--resume`.
 
 Each batch's rows go out as one write of whole lines, then fsync; a write that fails (a full
 disk, ...) is cut back to its last whole line, so the file never ends in a torn row. A file
 that does anyway (a crash mid-write, a copy cut short) is repaired before resuming: the scan
-splits bytes on b"\\n" before decoding anything, so a tail cut inside a multi-byte character is
+splits bytes on b"\n" before decoding anything, so a tail cut inside a multi-byte character is
 dropped like any torn tail; complete lines that are not rows are reported by number. The
 repair rewrites the file atomically (temp file + os.replace) with the good rows only, and
 saves the dropped bytes to OUT.dropped; their rows are generated again.
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import errno
@@ -21,7 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from specjax.cli_options import InputError
+from specjax.errors import InputError
 
 #: the fields every row that generate writes has (a line without them is not a finished row)
 ROW_FIELDS = frozenset({"id", "prompt", "completion", "token_ids", "num_new_tokens", "stop_reason"})
@@ -175,3 +180,83 @@ def append_rows(fd: int, rows: Sequence[dict], path: str | os.PathLike) -> None:
             os.ftruncate(fd, start + data[:written].rfind(b"\n") + 1)
         raise InputError(f"cannot write {path}: {e.strerror}; the rows already in it are kept "
                          f"and --resume generates the rest") from None
+
+
+def prompt_row(record, where: str) -> dict:
+    """Normalises one JSONL record to {"id", "category", "prompt"}.
+
+    Accepts {"prompt": ...} (optional "id", "category") and Spec-Bench / MT-bench rows
+    {"question_id", "category", "turns": [...]} (first turn).
+    """
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "prompt" in record:
+        prompt = record["prompt"]
+    elif "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise InputError(f"{where}: 'turns' must be a non-empty list")
+        prompt = turns[0]
+    else:
+        raise InputError(f"{where}: needs a 'prompt' or a 'turns' field")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError(f"{where}: the prompt is empty")
+    row_id = record.get("id", record.get("question_id", record.get("task_id")))
+    if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
+        raise InputError(f"{where}: the id must be a string or an integer, got {row_id!r}")
+    return {"id": row_id, "category": record.get("category"), "prompt": prompt}
+
+def read_prompts(path: str | os.PathLike) -> list[dict]:
+    """Rows of a JSONL prompt file; ids default to the 0-based line number."""
+    rows = []
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
+    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
+        where = f"{path}:{number}"
+        line = decoded_line(raw, where)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+        row = prompt_row(record, where)
+        row["id"] = number - 1 if row["id"] is None else row["id"]
+        row["where"] = where
+        rows.append(row)
+    if not rows:
+        raise InputError(f"{path}: no prompts")
+    return rows
+
+def decoded_line(raw: bytes, where: str) -> str:
+    """One line of a text file as str; an InputError names `where` when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+
+def check_unique_ids(rows: Sequence[dict]) -> None:
+    """--resume tells rows apart by id: an InputError names the first id that two rows share."""
+    first_seen: dict = {}
+    for row in rows:
+        if row["id"] in first_seen:
+            raise InputError(f"{row['where']}: id {row['id']!r} is also the id of "
+                             f"{first_seen[row['id']]}; --resume needs unique ids")
+        first_seen[row["id"]] = row["where"]
+
+def output_row(row: dict, gen) -> dict:
+    out = {
+        "id": row["id"],
+        "category": row.get("category"),
+        "prompt": row["prompt"],
+        "completion": gen.completion,
+        "token_ids": gen.token_ids,
+        "num_new_tokens": gen.num_new_tokens,
+        "stop_reason": gen.stop_reason,
+        "time_s": round(gen.time_s, 4),
+    }
+    if gen.spec is not None:
+        out["spec"] = gen.spec
+    return out

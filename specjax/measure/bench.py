@@ -42,7 +42,7 @@ JSON report (schema "specjax.bench", version 1; keys are stable, new keys may be
     }
 
 The ideal speedup is what the measured step costs allow: AL x T_target(B, 1) /
-(T_target(B, 1 + N) + T_draft(B)) from `specjax.profile` at the run's mean context; the system
+(T_target(B, 1 + N) + T_draft(B)) from `specjax.measure.profile` at the run's mean context; the system
 efficiency (measured decode speedup / ideal) shows what the loop's own overheads (accept,
 commit, bookkeeping) cost. Forced-acceptance drafters (`forced:...`) make it measurable on
 shape-only models.
@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.api import bucket, generate_ids
-from specjax.datasets import categories_of
+from specjax.measure.datasets import categories_of
 from specjax.metrics import job_summary
 
 SCHEMA = "specjax.bench"
@@ -305,7 +305,7 @@ def build_report(
     """The JSON report (schema in the module docstring). ideal: {"t_target_1", "t_target_n",
     "t_draft"} seconds from the latency profiler, or None."""
     from specjax import __version__
-    from specjax.profile import device_info
+    from specjax.measure.profile import device_info
 
     counts = {c: sum(r["category"] == c for r in rows) for c in categories_of(rows)}
     cats = {c: section(counts[c], *records[c]) for c in records}
@@ -424,7 +424,7 @@ def _save(fig, path: Path) -> Path:
 def profile_ideal(model, drafter, drafter_params, run: RunConfig, ids: Sequence[Sequence[int]],
                   repeats: int = 5) -> dict:
     """The step costs behind the ideal speedup, at the run's mean context and buffer width."""
-    from specjax.profile import draft_latency, target_latency
+    from specjax.measure.profile import draft_latency, target_latency
 
     mean_prompt = int(np.mean([len(p) for p in ids]))
     context = mean_prompt + run.max_new_tokens // 2

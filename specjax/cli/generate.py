@@ -1,0 +1,130 @@
+"""`specjax generate`: completions for a prompt or a JSONL prompt file (optionally speculative)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from specjax.cli.options import (
+    InputError,
+    add_draft_args,
+    add_model_args,
+    add_sampling_args,
+    check_output_path,
+    draft_shape,
+    load_tuned,
+    make_draft,
+)
+from specjax.prompt_io import check_unique_ids, output_row, read_prompts
+
+
+def generate_rows(args) -> list[dict]:
+    """The prompt rows of --prompt or --prompts."""
+    if args.prompt is None:
+        return read_prompts(args.prompts)
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty")
+    return [{"id": 0, "category": None, "prompt": args.prompt, "where": "--prompt"}]
+
+def rows_to_generate(rows: list[dict], args) -> list[dict]:
+    """The rows still to generate: with --resume, those whose id is not yet a finished row of
+    --out, after repairing --out (a torn tail or corrupt lines: reported, dropped, regenerated)."""
+    from specjax.prompt_io import damage_report, repair_output, scan_output, trim_torn_tail
+
+    if not args.resume:
+        if args.out:
+            trim_torn_tail(args.out)
+        return rows
+    check_unique_ids(rows)
+    scan = scan_output(args.out)
+    if scan.damaged:
+        print(damage_report(args.out, scan), file=sys.stderr)
+        saved = repair_output(args.out, scan)
+        print(f"resume: the dropped bytes are saved in {saved}", file=sys.stderr)
+    todo = [r for r in rows if r["id"] not in scan.ids]
+    if len(todo) < len(rows):
+        print(f"resume: {len(rows) - len(todo)} of {len(rows)} rows already in {args.out}", file=sys.stderr)
+    return todo
+
+def id_list(ids: Sequence, limit: int = 20) -> str:
+    shown = ", ".join(map(repr, ids[:limit]))
+    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+
+def cmd_generate(args) -> int:
+    from specjax.api import iter_generate
+    from specjax.metrics import job_summary
+    from specjax.models.hub import load_model
+    from specjax.prompt_io import append_rows, open_output
+
+    rows = generate_rows(args)
+    tree = draft_shape(args)
+    schedule = load_tuned(args)
+    if args.out:
+        check_output_path(args.out, "--out")
+    todo = rows_to_generate(rows, args)
+    if not todo:
+        return 0
+    model = load_model(args.model, dtype=args.dtype)
+    drafter, drafter_params = make_draft(args, tree, model)
+    out_fd = open_output(args.out) if args.out else None
+    total_tokens, spec_rows, error_ids = 0, [], []
+    start = time.perf_counter()
+    try:
+        bar = tqdm(total=len(todo), desc="generate", unit="prompt", file=sys.stderr, disable=None)
+        batches = iter_generate(
+            model, [r["prompt"] for r in todo], max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
+            drafter_params=drafter_params, labels=[r["where"] for r in todo],
+            prompt_ids=[r["id"] for r in todo],
+            schedule=schedule,
+        )
+        for first, gens in batches:
+            records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)]
+            if out_fd is None:
+                for gen in gens:
+                    print(gen.completion)
+            else:
+                append_rows(out_fd, records, args.out)
+            total_tokens += sum(gen.num_new_tokens for gen in gens)
+            spec_rows += [gen.spec for gen in gens if gen.spec is not None]
+            error_ids += [r["id"] for r in records if r["stop_reason"] == "error"]
+            elapsed = time.perf_counter() - start
+            bar.update(len(gens))
+            bar.set_postfix(tok_s=f"{total_tokens / elapsed:.1f}")
+        bar.close()
+    finally:
+        if out_fd is not None:
+            os.close(out_fd)
+    elapsed = time.perf_counter() - start
+    print(f"{len(todo)} prompts, {total_tokens} new tokens in {elapsed:.2f} s "
+          f"({total_tokens / elapsed:.1f} tokens/s, compile included)", file=sys.stderr)
+    if spec_rows:
+        summary = job_summary(spec_rows)
+        print("spec: " + json.dumps({k: summary[k] for k in (
+            "acceptance_length", "acceptance_rate", "steps", "drafted", "accepted",
+            "conditional_acceptance")}), file=sys.stderr)
+    if error_ids:
+        print(f'specjax: error: {len(error_ids)} row(s) ended with stop_reason "error" (the target\'s '
+              f"logits were not finite): ids {id_list(error_ids)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="generate completions (optionally speculative)")
+    add_model_args(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt text")
+    source.add_argument("--prompts", help="JSONL file: {'prompt'} or {'question_id','category','turns'} rows")
+    gen.add_argument("--out", help="output JSONL, appended as each batch finishes")
+    gen.add_argument("--resume", action="store_true", help="skip ids already in --out")
+    add_sampling_args(gen)
+    add_draft_args(gen)
+    gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune` (the batch size "
+                     "picks the draft shape; its drafter is used when --draft is not given)")
+    gen.set_defaults(func=cmd_generate)

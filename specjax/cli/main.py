@@ -1,0 +1,47 @@
+"""The `specjax` command: one parser with a subcommand per module of this package, and one
+error path (every expected failure is one `specjax: error:` line and exit status 2)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specjax.cli import bench, generate, profile, train, tune
+
+#: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
+SUBCOMMANDS = (generate, bench, profile, tune, train)
+
+
+def fail(message: str) -> int:
+    """Prints `message` as one `specjax: error:` line; returns the exit status of a user error."""
+    print(f"specjax: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs a subcommand. Every expected failure (InputError, PromptError and the other
+    ValueErrors of the checks, an OSError on a named file) ends as one error line and exit
+    status 2; anything else is a bug and keeps its traceback."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "resume", False) and not args.out:
+        return fail("--resume needs --out")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        return fail(str(e))
+    except OSError as e:
+        if e.filename is None:
+            raise
+        return fail(f"{e.filename}: {e.strerror or e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Shared argument helpers of every CLI subcommand: option types, option groups, output checks,
+the draft shape and dataset rows, all applied before any model loads.
+
+The `type=` functions make argparse refuse a bad value with the option's name and exit 2
+("argument --batch-size: must be an integer >= 1, got -1"); `check_output_path` refuses an
+output the run could not write before the work starts. Later modules import these too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from specjax.errors import InputError
+from specjax.tree import check_num_draft
+
+
+def _parsed(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`."""
+    def parse(text: str) -> int:
+        value = _parsed(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (no nan, no inf)."""
+    value = _parsed(text, float)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def finite_float_above(low: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number >= low (inclusive) or > low."""
+    bound = f"{'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        value = finite_float(text)
+        if not (value >= low if inclusive else value > low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a number in (0, 1] (top-p)."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def num_draft(text: str) -> int:
+    """An argparse type: a draft length in [1, MAX_DRAFT_NODES] (`specjax.tree.check_num_draft`)."""
+    try:
+        return check_num_draft(_parsed(text, int), "a draft length")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def seed(text: str) -> int:
+    """An argparse type: a PRNG seed, an integer in [0, 2**32)."""
+    value = _parsed(text, int)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {value}")
+    return value
+
+
+def non_empty_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def check_output_path(path: str | os.PathLike, option: str, folder: bool = False) -> None:
+    """Raises InputError naming `option` and `path` when a run could not write its output there:
+    the parent folder is missing, the path is a folder where a file is wanted (or the reverse),
+    or the file / folder refuses writes. Creates nothing that outlives the check."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise InputError(f"{option} {path}: {'is a folder' if target.is_dir() else 'is not a folder'}")
+    where = target if folder and target.is_dir() else target.parent
+    if not where.is_dir():
+        raise InputError(f"{option} {path}: folder {where} does not exist")
+    try:
+        if target.exists() and not folder:
+            # O_NONBLOCK: a FIFO without a reader fails here instead of hanging
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        raise InputError(f"{option} {path}: cannot write there ({e.strerror})") from None
+
+
+#: the chain length of --draft without --num-draft / --tree
+DEFAULT_NUM_DRAFT = 4
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="preset name, .gguf file or HF folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default=None,
+                   help="ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "
+                        "eagle3|mtp|medusa|dflash|dspark:DIR (trained or upstream HF folder)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--num-draft", type=num_draft, default=None,
+                       help=f"chain of D draft tokens (default {DEFAULT_NUM_DRAFT})")
+    group.add_argument("--tree", default=None, help="tree preset name or YAML file")
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--stop", action="append", type=non_empty_text, default=None,
+                   help="stop string (repeatable)")
+
+def check_draft_spec(spec: str, option: str = "--draft") -> None:
+    """An InputError unless `spec` starts with a registered drafter name (checked before any
+    model loads; the drafter's own argument is checked when it is built)."""
+    from specjax.drafters.registry import check_spec
+
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise InputError(f"{option} {spec!r}: {e}") from None
+
+def draft_shape(args):
+    """The draft tree of --tree / --num-draft (a chain of DEFAULT_NUM_DRAFT when neither is given),
+    or None without --draft; loaded before any model so a bad value fails first."""
+    from specjax.tree import chain, load_tree
+
+    if not args.draft:
+        if args.num_draft is not None or args.tree:
+            raise InputError("--num-draft/--tree need --draft")
+        return None
+    check_draft_spec(args.draft)
+    if args.tree:
+        return load_tree(args.tree)
+    return chain(DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft)
+
+def make_draft(args, tree, model):
+    """(drafter, drafter params) for --draft with the draft tree `tree`, or (None, None)."""
+    if tree is None:
+        return None, None
+    from specjax.drafters.registry import make_drafter
+
+    return make_drafter(args.draft, tree=tree, target=model, dtype=args.dtype)
+
+def load_tuned(args):
+    """The --tuned schedule (or None), read and checked before any model loads."""
+    if not args.tuned:
+        return None
+    from specjax.schedule import load_schedule
+
+    schedule = load_schedule(args.tuned)
+    if not args.draft:
+        if not schedule.draft:
+            raise InputError(f"--tuned {args.tuned}: the schedule names no drafter; pass --draft")
+        check_draft_spec(schedule.draft, f"--tuned {args.tuned}: draft")
+    return schedule
+
+
+DATASET_HELP = ("prompt set: a JSONL file (Spec-Bench/MT-bench rows or {'prompt'} rows), "
+                "mtbench | humaneval | gsm8k (when their packages are installed), "
+                "or synthetic[:N[:LEN]]")
+
+#: output options of the measurement commands: dest -> (option, is a folder)
+OUTPUT_OPTIONS = {"json_out": ("--json", False), "out": ("--out", False), "plots": ("--plots", True)}
+
+def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    """Comma-separated integers >= 1 (None when not given); an InputError names `option`."""
+    if not text:
+        return None
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise InputError(f"{option}: expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+def draft_length_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    """int_list, each a draft length in [1, MAX_DRAFT_NODES]."""
+    from specjax.tree import check_num_draft
+
+    values = int_list(text, option)
+    return values and tuple(check_num_draft(d, option) for d in values)
+
+def check_outputs(args) -> None:
+    """Each output option the command was given must be writable before the work starts."""
+    for dest, (option, folder) in OUTPUT_OPTIONS.items():
+        if getattr(args, dest, None):
+            check_output_path(getattr(args, dest), option, folder=folder)
+
+@contextlib.contextmanager
+def writing_output(path: str):
+    """Turns an OSError while writing the output `path` (a full disk, ...) into an InputError
+    naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+def name_list(text: str | None) -> tuple[str, ...]:
+    return tuple(x for x in (text or "").split(",") if x)
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+def dataset_rows(args):
+    """The --dataset rows kept by --categories / --per-category; an InputError when none are."""
+    from specjax.measure.datasets import load_prompt_set, select_rows
+
+    rows = select_rows(load_prompt_set(args.dataset), name_list(args.categories) or None, args.per_category)
+    if not rows:
+        raise InputError(f"--dataset {args.dataset}: no prompts to run")
+    return rows
+
+def run_config(args, model, batch_size: int):
+    from specjax.drafters.forced import is_forced
+    from specjax.measure.bench import RunConfig
+
+    tok = model.tokenizer
+    stops = tok.stop_sequences(args.stop) if tok is not None and args.stop else ()
+    return RunConfig(
+        max_new_tokens=args.max_new_tokens, batch_size=batch_size, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_seqs=tuple(stops),
+        ignore_eos=args.ignore_eos or is_forced(args.draft),
+    )
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", required=True, help=DATASET_HELP)
+    p.add_argument("--categories", help="comma-separated categories to keep (default: all)")
+    p.add_argument("--per-category", type=positive_int, default=None,
+                   help="first N prompts of each category")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="rows run to --max-new-tokens (implied by --draft forced:...)")

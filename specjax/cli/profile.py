@@ -1,0 +1,61 @@
+"""`specjax profile`: latency curves T_target(B, T), T_draft(B, D), T_step(B, D)."""
+from __future__ import annotations
+
+import json
+
+from specjax.cli.options import (
+    add_model_args,
+    check_draft_spec,
+    check_outputs,
+    draft_length_list,
+    int_list,
+    positive_int,
+    say,
+    writing_output,
+)
+
+
+def cmd_profile(args) -> int:
+    from specjax.measure.bench import make_any_drafter
+    from specjax.measure.profile import load_target, profile_latency
+    from specjax.tree import chain
+
+    tokens = int_list(args.tokens, "--tokens") or tuple(range(1, args.max_tokens + 1))
+    batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
+    draft_lengths = draft_length_list(args.draft_lengths, "--draft-lengths") or (1, 2, 4, 8)
+    if args.draft:
+        check_draft_spec(args.draft)
+    check_outputs(args)
+    model = load_target(args.model, args.dtype)
+    drafters = {}
+    if args.draft:
+        for d in draft_lengths:
+            drafters[str(d)] = make_any_drafter(args.draft, chain(d), model, args.dtype)
+    prof = profile_latency(
+        model, batch_sizes, tokens, drafters, context=args.context,
+        repeats=args.repeats, steps=not args.no_step_profile, log=say,
+    )
+    text = json.dumps(prof.to_dict(), indent=2)
+    if args.json_out:
+        from pathlib import Path
+
+        with writing_output(args.json_out):
+            Path(args.json_out).write_text(text + "\n", encoding="utf-8")
+    else:
+        print(text)
+    return 0
+
+
+def add_parser(sub) -> None:
+    prof = sub.add_parser("profile", help="latency curves T_target(B, T), T_draft(B, D), T_step")
+    add_model_args(prof)
+    prof.add_argument("--batch-sizes", default="1,4")
+    prof.add_argument("--max-tokens", type=positive_int, default=16, help="T = 1..T_max")
+    prof.add_argument("--tokens", help="explicit comma-separated T values")
+    prof.add_argument("--draft", help="drafter spec to time (ngram, forced:0.8, ...)")
+    prof.add_argument("--draft-lengths", help="comma-separated D values (default 1,2,4,8)")
+    prof.add_argument("--context", type=positive_int, default=256, help="tokens already in the cache")
+    prof.add_argument("--repeats", type=positive_int, default=5)
+    prof.add_argument("--no-step-profile", action="store_true", help="skip T_step")
+    prof.add_argument("--json", dest="json_out")
+    prof.set_defaults(func=cmd_profile)

@@ -41,10 +41,6 @@ class KVCache:
         """S: entries per row the buffer holds."""
         return self.v.shape[V_SEQ_AXIS]
 
-    @property
-    def batch_size(self) -> int:
-        return self.v.shape[1]
-
     def advance(self, num_new: jax.Array) -> KVCache:
         """Commits the first num_new `[B]` provisional entries of each row."""
         return self.replace(lengths=self.lengths + num_new.astype(jnp.int32))

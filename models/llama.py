@@ -199,6 +199,7 @@ class LlamaModel(nn.Module):
         return out.astype(jnp.float32)
 
     def embed(self, tokens):
+        """Token embeddings `[..., H]` in the model dtype."""
         return self.embed_tokens(tokens)
 
 
@@ -259,16 +260,6 @@ def forward(
     return ForwardOutput(
         logits=logits, hidden=hidden, layer_hidden=layer_hidden, cache=write(cache, k_new, v_new)
     )
-
-
-def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """LM head on hidden states `[..., H]` -> f32 logits `[..., V]`."""
-    return LlamaModel(cfg).apply(params, hidden, method=LlamaModel.logits)
-
-
-def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
-    """Token embeddings `[..., H]` in the model dtype."""
-    return LlamaModel(cfg).apply(params, tokens, method=LlamaModel.embed)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

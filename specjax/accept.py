@@ -10,7 +10,7 @@ math in f32. All rules share one shape contract:
   next_token `[B]`}. key: the rows' keys `[B, 2]` (row b's draws use only its own key) or one
   key split across the rows (`specjax.rng`).
 
-Rules (DESIGN.md, "Acceptance rules"):
+Rules:
 
 - `accept_greedy`: the deepest node whose whole root path equals the target argmax at each
   parent; then the target argmax after it. Ties between equally deep paths (possible only

@@ -98,9 +98,3 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
         return jax.random.categorical(key, processed_logits(x, params), axis=-1).astype(jnp.int32)
 
     return jax.lax.cond(params.is_greedy, greedy, sampled, logits.astype(jnp.float32))
-
-
-def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """Draws token ids `[...]` from explicit probabilities `[..., V]` (need not be normalised)."""
-    safe = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), NEG_INF)
-    return jax.random.categorical(key, safe, axis=-1).astype(jnp.int32)

@@ -1,4 +1,4 @@
-"""Static draft-tree topologies (see DESIGN.md, "The data flow").
+"""Static draft-tree topologies: which draft nodes a speculative step proposes and verifies.
 
 A `TreeSpec` is a frozen, hashable dataclass, so it can be a `jit` static argument. It holds
 only the topology; every array derived from it is a read-only numpy constant.

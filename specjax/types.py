@@ -1,4 +1,4 @@
-"""Pytrees that flow through one speculative step (see DESIGN.md, "The data flow").
+"""Pytrees that flow through one speculative step (`specjax.loop.spec_step`).
 
 Verify layout: the target runs 1 + N tokens per row: index 0 is the *root* (the last emitted
 token, whose KV is not yet cached) and indices 1..N are the draft nodes of a static TreeSpec

@@ -5,11 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from specjax.models.cache import init_cache
 from specjax.models.config import RopeScaling
-from specjax.models.llama import forward, init_params
+from specjax.models.llama import (
+    DecoderLayer,
+    LlamaModel,
+    causal_mask,
+    forward,
+    init_params,
+    rope_tables,
+)
 
 
 def _prefill(cfg, params, prompts):
@@ -109,3 +116,35 @@ def test_hidden_layers_and_logit_indices():
     k, v = full.cache.token_major()
     assert np.asarray(k[:, 0, :4]).any() and not np.asarray(k[:, 0, 4:]).any()
     assert np.asarray(v[:, 0, :4]).any() and not np.asarray(v[:, 0, 4:]).any()
+
+
+def layer_by_layer(cfg, params, tokens, positions, cache) -> list:
+    """Each decoder layer's output `[B, T, H]`, run one layer at a time from the stacked params
+    (the reference `forward`'s hidden_layers must pick from)."""
+    x = LlamaModel(cfg).apply(params, tokens, method=LlamaModel.embed)
+    cos, sin = rope_tables(cfg, positions)
+    mask = causal_mask(*tokens.shape)
+    outputs = []
+    for layer in range(cfg.num_layers):
+        layer_params = jax.tree.map(lambda stacked: stacked[layer], params["params"]["layers"])
+        x, _ = DecoderLayer(cfg).apply({"params": layer_params}, x, cache.k[layer], cache.v[layer],
+                                       cos, sin, cache.lengths, mask)
+        outputs.append(x)
+    return outputs
+
+
+def test_hidden_layers_are_the_requested_layers_outputs():
+    cfg = tiny_config(num_layers=3)
+    params = init_params(cfg, jax.random.PRNGKey(4))
+    tokens = jnp.array([[4, 5, 6, 7], [9, 8, 7, 6]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(4), (2, 4))
+    cache = init_cache(cfg, 2, 16)
+    expected = layer_by_layer(cfg, params, tokens, positions, cache)
+    for a, b in zip(expected, expected[1:]):  # an off-by-one would pick a different array
+        assert not np.allclose(a, b, atol=1e-3)
+    requested = (0, 2, 1, -1, -3)
+    out = forward(cfg, params, tokens, positions, cache, hidden_layers=requested)
+    for layer, got in zip(requested, out.layer_hidden, strict=True):
+        np.testing.assert_allclose(got, expected[layer], atol=1e-5, rtol=1e-5, err_msg=f"layer {layer}")
+    final_norm = LlamaModel(cfg).bind(params).norm
+    np.testing.assert_allclose(out.hidden, final_norm(expected[-1]), atol=1e-5, rtol=1e-5)

@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random Llama-family models (seconds to compile)."""
+"""Shared fixtures: tiny random Llama-family models (seconds to compile) and the real SmolLM2
+(marked `real`). Shared helper functions live in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
@@ -10,31 +12,9 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from specjax.models.config import ModelConfig  # noqa: E402
+from helpers import tiny_config  # noqa: E402
+
 from specjax.models.llama import init_params  # noqa: E402
-
-
-def load_benchmark(name: str):
-    """A script of benchmarks/ (not a package) as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    """A 2-layer GQA model, vocab 64, f32."""
-    base = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False,
-        eos_token_ids=(1,), name="tiny",
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +22,17 @@ def tiny_model():
     cfg = tiny_config()
     params = init_params(cfg, jax.random.PRNGKey(0))
     return cfg, params
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M (f32), loaded once per module that asks for it (tests marked real)."""
+    from specjax.models.hub import load_model  # only the real-model tests pay for the import
+
+    start = time.perf_counter()
+    model = load_model("smollm2-135m", dtype="float32")
+    print(f"\nload_model('smollm2-135m'): {time.perf_counter() - start:.2f} s")
+    return model
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import chi_square
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 from specjax.accept import (
     _sibling_walk,
@@ -381,22 +381,6 @@ def good_rule(key, logits, draft, tree):
 def broken_rule(key, logits, draft, tree):
     """No residual: after a rejection keep sampling from r, not norm(max(r - q, 0))."""
     return _sibling_walk(key, probabilities(logits, STAT_PARAMS), draft, tree, lambda r, q: r)
-
-
-def chi_square(samples, joint):
-    """(statistic, dof, p-value) of sample triples `[S, 3]` against `joint` `[V, V, V]`."""
-    observed = np.bincount(np.ravel_multi_index(samples.T, joint.shape),
-                           minlength=joint.size).astype(np.float64)
-    expected = joint.ravel() * len(samples)
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        if obs[-1] > 0:
-            return np.inf, len(obs) - 1, 0.0  # an impossible sequence was emitted
-        obs, exp = obs[:-1], exp[:-1]
-    stat = float(np.sum((obs - exp) ** 2 / exp))
-    return stat, len(obs) - 1, float(stats.chi2.sf(stat, len(obs) - 1))
 
 
 STAT_SETUPS = {

@@ -8,8 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_load import tiny_vocab, write_hf
+from helpers import tiny_config, tiny_vocab, write_hf
 
 from specjax.api import PromptError, generate, generate_ids, iter_generate, iter_generate_ids
 from specjax.cli import main

@@ -5,8 +5,7 @@ import json
 
 import jax
 import pytest
-from conftest import tiny_config
-from test_load import tiny_vocab, write_hf
+from helpers import tiny_config, tiny_vocab, write_hf
 
 from specjax.cli import main
 from specjax.models.llama import init_params

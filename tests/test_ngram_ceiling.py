@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 from specjax.api import generate_ids
 from specjax.drafters.ngram import NgramDrafter, match_scores

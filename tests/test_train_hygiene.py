@@ -9,19 +9,19 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 import specjax.models.hub
 import specjax.train.data
 from specjax.cli import main
-from specjax.models.heads import make_head_config
+from specjax.drafters.learned.checkpoint import load_trained
+from specjax.drafters.learned.registry import make_head_config
 from specjax.models.llama import init_params
 from specjax.train.data import Sequences, get_batch, tokens_before
 from specjax.train.trainer import (
     STAGING_DIR,
     TrainConfig,
     keep_metrics_until,
-    load_trained,
     metric_lines_until,
     prepare_data,
     train,

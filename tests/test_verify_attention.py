@@ -11,44 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import random_inputs, random_tree_mask, tiny_config
 
 from specjax.kernels import verify_attention as va
 from specjax.kernels.reference import verify_attention_reference
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward, init_params
-from specjax.tree import TreeSpec
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def random_tree_mask(rng: np.random.Generator, batch: int, seq: int) -> np.ndarray:
-    """`[B, T, T]` verify-layout ancestor masks (root + T−1 nodes) of random trees."""
-
-    def one() -> np.ndarray:
-        if seq == 1:
-            return np.ones((1, 1), bool)
-        parents = tuple(int(rng.integers(-1, i)) for i in range(seq - 1))  # parent < node
-        return TreeSpec(parents).ancestor_mask()
-
-    return np.stack([one() for _ in range(batch)])
-
-
-def random_inputs(rng, *, batch, seq, group, kv_heads, head_dim, capacity, dtype, lengths):
-    """(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask) in the reference's shapes."""
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-
-    return (
-        normal(batch, seq, kv_heads * group, head_dim),
-        normal(batch, seq, kv_heads, head_dim),
-        normal(batch, seq, kv_heads, head_dim),
-        normal(batch, kv_heads, head_dim, capacity),  # keys transposed (models/cache.py)
-        normal(batch, kv_heads, capacity, head_dim),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(random_tree_mask(rng, batch, seq)),
-    )
 
 
 def relative_error(out: jax.Array, ref: jax.Array) -> float:

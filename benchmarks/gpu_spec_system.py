@@ -31,12 +31,13 @@ from pathlib import Path
 import jax
 
 from specjax.api import bucket
+from specjax.drafters.forced import expected_accepted, extend_profile, make_forced
 from specjax.measure.bench import RunConfig, decode_rate, encode_rows, ideal_speedup
 from specjax.measure.datasets import synthetic_rows
-from specjax.drafters.forced import expected_accepted, extend_profile, make_forced
 from specjax.measure.profile import load_target, profile_latency
+from specjax.measure.tune import Calibration, predictions
+from specjax.schedule import DraftShape
 from specjax.tree import chain
-from specjax.measure.tune import Calibration, Candidate, predictions
 
 FULL = {"model": "random:llama3-8b", "dtype": "bfloat16", "batch_sizes": (1, 16, 64),
         "draft_lengths": (1, 3, 7, 15, 31), "prompt_len": 128, "max_new_tokens": 128, "repeats": 3}
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     results, picks = [], {}
     for b in s["batch_sizes"]:
         cal = Calibration(row_tokens=[max_new] * b, row_joint=[joint[1:]] * b, spec_rows=[])
-        preds = predictions(cal, prof, [Candidate(d) for d in s["draft_lengths"]], b)
+        preds = predictions(cal, prof, [DraftShape(d) for d in s["draft_lengths"]], b)
         ids = encode_rows(model, synthetic_rows(rows_per_b[b], plen, seed=b))
         run = RunConfig(max_new_tokens=max_new, batch_size=b, ignore_eos=True)
         # 3. measured decode throughput: AR and each D, alternating order per D

@@ -28,6 +28,7 @@ from specjax.measure.bench import (
     make_any_drafter,
     merged,
     mode_stats,
+    rotated,
     timed_run,
     warm_up,
 )
@@ -92,8 +93,7 @@ def main(argv=None) -> int:
     records = {m: {c: ModeRecord() for c in groups} for m in modes}
     order = list(modes)
     for turn, (category, ids) in enumerate(groups.items()):
-        rotated = order[turn % len(order):] + order[: turn % len(order)]
-        for mode in rotated:
+        for mode in rotated(order, turn):
             records[mode][category].add(timed_run(model, ids, run, *modes[mode]))
         print(f"{category}: " + ", ".join(
             f"{m} {mode_stats(records[m][category])['tokens_per_s']:.1f}" for m in order) + " tok/s",

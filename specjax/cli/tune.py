@@ -4,9 +4,12 @@ from __future__ import annotations
 import sys
 
 from specjax.cli.options import (
+    DRAFTER_HELP,
     add_dataset_args,
     add_model_args,
+    add_renamed_option,
     add_sampling_args,
+    add_subcommand,
     check_draft_spec,
     check_outputs,
     dataset_rows,
@@ -45,41 +48,50 @@ def cmd_tune(args) -> int:
         measure_repeats=args.measure_repeats, calibrate_each=not args.calibrate_once,
     )
     report = tune(model, encode_rows(model, rows, not args.no_chat), args.draft,
-                  run_config(args, model, args.batch_size), tc, log=say, model_name=args.model)
+                  run_config(args, model, args.batch_size), tc, log=say, model_name=args.model,
+                  progress=True)
     report["command"] = sys.argv
     schedule = Schedule.from_dict(report["schedule"])
-    for b in schedule.buckets:
-        print(f"batch size <= {b.batch_size}: draft {b.label} "
-              f"(predicted {b.extra['predicted_tokens_per_s']:.1f} tok/s)")
+    for entry in schedule.entries:
+        print(f"batch size <= {entry.batch_size}: draft {entry.shape.label} "
+              f"(predicted {entry.extra['predicted_tokens_per_s']:.1f} tok/s)")
     if args.out:
         with writing_output(args.out):
             schedule.save(args.out, header=f"written by: {' '.join(sys.argv)}")
         say(f"wrote {args.out}")
-    if args.json_out:
-        with writing_output(args.json_out):
-            write_json(report, args.json_out)
+    if args.report:
+        with writing_output(args.report):
+            write_json(report, args.report)
     return 0
 
 
 def add_parser(sub) -> None:
-    tune = sub.add_parser("tune", help="pick the draft length per batch size; write a schedule")
+    tune = add_subcommand(sub, "tune", "pick the draft length per batch size; write a schedule")
     add_model_args(tune)
     add_sampling_args(tune)
     add_dataset_args(tune)
-    tune.add_argument("--draft", required=True, help="drafter spec (ngram, suffix, forced:..., ...)")
-    tune.add_argument("--batch-sizes", default="1,4,16,64")
-    tune.add_argument("--max-draft", type=num_draft, default=32)
-    tune.add_argument("--draft-lengths", help="comma-separated D to consider (default: a grid)")
-    tune.add_argument("--trees", help="comma-separated tree presets to consider too")
-    tune.add_argument("--out", help="schedule YAML for `generate --tuned`")
-    tune.add_argument("--json", dest="json_out", help="full tuning report")
-    tune.add_argument("--check", type=non_negative_int, default=3, help="run the best N for real (0: skip)")
+    tune.add_argument("--draft", required=True, help=DRAFTER_HELP + ", whose draft shape is tuned")
+    tune.add_argument("--batch-sizes", default="1,4,16,64",
+                      help="comma-separated batch sizes to pick a draft shape for")
+    tune.add_argument("--max-draft", type=num_draft, default=32,
+                      help="the longest chain considered (and calibrated)")
+    tune.add_argument("--draft-lengths", help="comma-separated chain lengths D to consider "
+                      "(default: 1..8, then 10, 12, 16, ... up to --max-draft)")
+    tune.add_argument("--trees", help="comma-separated tree presets to consider too (default: none)")
+    tune.add_argument("--out", help="schedule YAML for `generate --tuned` (default: the picks "
+                      "are only printed)")
+    tune.add_argument("--report", help="full tuning report as JSON (default: none)")
+    add_renamed_option(tune, "--json", "--report", dest="report")
+    tune.add_argument("--check", type=non_negative_int, default=3,
+                      help="run the best N predictions for real and pick the fastest (0: skip)")
     tune.add_argument("--sweep", action="store_true", help="run every candidate for real")
-    tune.add_argument("--profile-repeats", type=positive_int, default=5)
+    tune.add_argument("--profile-repeats", type=positive_int, default=5,
+                      help="timed runs per latency point (median)")
     tune.add_argument("--measure-repeats", type=positive_int, default=3,
                       help="passes over the prompts per measured candidate (each batch's "
                            "median time counts; step costs are re-profiled before each pass)")
-    tune.add_argument("--no-step-profile", action="store_true")
+    tune.add_argument("--no-step-profile", action="store_true",
+                      help="rank by T_target + T_draft instead of the measured whole step T_step")
     tune.add_argument("--calibrate-once", action="store_true",
                       help="calibrate from one chain of --max-draft (faster; underestimates short "
                            "chains) instead of one run per candidate")

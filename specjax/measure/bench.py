@@ -62,6 +62,7 @@ import numpy as np
 from specjax.api import bucket, generate_ids
 from specjax.measure.datasets import categories_of
 from specjax.metrics import job_summary
+from specjax.progress import progress_bar
 
 SCHEMA = "specjax.bench"
 SCHEMA_VERSION = 1
@@ -213,25 +214,40 @@ def warm_up(model, groups: Sequence[list[list[int]]], run: RunConfig, modes) -> 
                 timed_run(model, chunk, short, d, p)
 
 
+def rotated(items: Sequence, turn: int) -> list:
+    """`items` starting at position `turn % len(items)`: the order of the modes on turn `turn`,
+    so each mode goes first equally often and a drifting load hits them all alike."""
+    first = turn % len(items)
+    return [*items[first:], *items[:first]]
+
+
 def measure(
     model, groups: dict[str, list[list[int]]], run: RunConfig, drafter, drafter_params,
     *, repeats: int = 1, warmup: bool = True, log: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> dict[str, tuple[ModeRecord, ModeRecord]]:
-    """(baseline, spec) records per group, alternating the order of the modes."""
+    """(baseline, spec) records per group, alternating the order of the modes; `progress`
+    shows a bar of the timed runs (one per group, mode and repeat) on a terminal."""
     if warmup:
+        if log:
+            log("warm-up: compiling every program shape of both modes")
         warm_up(model, list(groups.values()), run, [(None, None), (drafter, drafter_params)])
     out = {name: (ModeRecord(), ModeRecord()) for name in groups}
+    modes = [(0, "baseline", None, None), (1, "spec", drafter, drafter_params)]
     turn = 0
-    for _ in range(repeats):
-        for name, ids in groups.items():
-            modes = [(0, None, None), (1, drafter, drafter_params)]
-            for slot, d, p in modes if turn % 2 == 0 else modes[::-1]:
-                out[name][slot].add(timed_run(model, ids, run, d, p))
-            turn += 1
-            if log:
-                base, spec = out[name]
-                log(f"{name}: baseline {_rate(base.new_tokens, sum(base.batch_times)):.1f} tok/s, "
-                    f"spec {_rate(spec.new_tokens, sum(spec.batch_times)):.1f} tok/s")
+    with progress_bar(total=2 * repeats * len(groups), desc="bench", unit="run",
+                      enabled=progress) as bar:
+        for _ in range(repeats):
+            for name, ids in groups.items():
+                for slot, mode, d, p in rotated(modes, turn):
+                    bar.set_postfix_str(f"{name}: {mode}")
+                    out[name][slot].add(timed_run(model, ids, run, d, p))
+                    bar.update()
+                turn += 1
+                if log:
+                    base, spec = out[name]
+                    log(f"{name}: baseline {_rate(base.new_tokens, sum(base.batch_times)):.1f} tok/s, "
+                        f"spec {_rate(spec.new_tokens, sum(spec.batch_times)):.1f} tok/s")
     return out
 
 
@@ -349,74 +365,6 @@ def validate_report(report: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Plots (optional: the `plots` extra)
-# ---------------------------------------------------------------------------------------------
-
-
-def write_plots(report: dict, out_dir: str | os.PathLike) -> list[Path]:
-    """PNGs: acceptance per position, throughput and speedup per category, accepted lengths."""
-    try:
-        import matplotlib
-        import matplotlib.ticker
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plots needs matplotlib: pip install 'specjax[plots]'") from None
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sections = {**report["categories"], "overall": report["overall"]}
-    names = list(sections)
-    paths = []
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, sec in sections.items():
-        pos = np.arange(1, len(sec["spec"]["conditional_acceptance"]) + 1)
-        style = dict(lw=2.5, color="black") if name == "overall" else dict(lw=1, alpha=0.8)
-        axes[0].plot(pos, sec["spec"]["conditional_acceptance"], marker="o", label=name, **style)
-        axes[1].plot(pos, sec["spec"]["joint_acceptance"], marker="o", label=name, **style)
-    for ax, title in zip(axes, ("conditional acceptance", "joint acceptance")):
-        ax.set(xlabel="draft position", ylabel=title, ylim=(0, 1.02), title=title)
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
-
-    x = np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 4))
-    ax.bar(x - 0.2, [sections[n]["baseline"]["tokens_per_s"] for n in names], 0.4, label="baseline")
-    ax.bar(x + 0.2, [sections[n]["spec"]["tokens_per_s"] for n in names], 0.4, label="speculative")
-    ax.set_xticks(x, names, rotation=30, ha="right")
-    ax.set(ylabel="output tokens / s", title="throughput per category")
-    ax.legend()
-    paths.append(_save(fig, out_dir / "throughput.png"))
-
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 4))
-    ax.bar(x, [sections[n]["speedup"] for n in names], color="tab:green")
-    ax.axhline(1.0, color="gray", lw=1)
-    ax.set_xticks(x, names, rotation=30, ha="right")
-    ax.set(ylabel="speedup vs baseline", title="speedup per category")
-    paths.append(_save(fig, out_dir / "speedup.png"))
-
-    hist = report["overall"]["spec"]["accepted_length_histogram"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(np.arange(len(hist)), np.asarray(hist) / max(1, sum(hist)))
-    ax.set(xlabel="accepted draft tokens per step", ylabel="fraction of steps",
-           title="accepted lengths (overall)")
-    paths.append(_save(fig, out_dir / "accepted_lengths.png"))
-    return paths
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
 # The whole benchmark
 # ---------------------------------------------------------------------------------------------
 
@@ -442,13 +390,16 @@ def run_bench(
     model, rows: Sequence[dict], drafter, drafter_params, run: RunConfig, *,
     chat: bool = True, repeats: int = 1, ideal: bool = False, config: dict | None = None,
     command: Sequence[str] | None = None, log: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> dict:
-    """Benchmarks `drafter` against plain decoding on rows ({"category", "prompt"}) -> report."""
+    """Benchmarks `drafter` against plain decoding on rows ({"category", "prompt"}) -> report
+    (`progress`: a bar of the timed runs on a terminal)."""
     if not rows:
         raise ValueError("run_bench needs at least one prompt row")
     groups = encode_by_category(model, rows, chat)
     ids = [p for group in groups.values() for p in group]
-    records = measure(model, groups, run, drafter, drafter_params, repeats=repeats, log=log)
+    records = measure(model, groups, run, drafter, drafter_params, repeats=repeats, log=log,
+                      progress=progress)
     costs = profile_ideal(model, drafter, drafter_params, run, ids) if ideal else None
     config = {
         **(config or {}), "tree": tree_info(drafter.tree), "categories": list(groups),

@@ -49,11 +49,13 @@ from specjax.measure.bench import (
     RunConfig,
     generate_batches,
     make_any_drafter,
+    rotated,
     timed_run,
     warm_up,
 )
 from specjax.measure.profile import LatencyProfile, profile_latency, step_costs
-from specjax.schedule import Bucket, Schedule, draft_tree, shape_label
+from specjax.progress import progress_bar
+from specjax.schedule import DraftShape, Schedule, ScheduleEntry
 
 TILE_ROWS = 128
 
@@ -73,21 +75,21 @@ def chain_tokens_per_step(joint: Sequence[float], num_draft: int) -> float:
     return 1.0 + float(sum(joint[:num_draft]))
 
 
-def batch_steps(row_tokens: Sequence[int], row_tps: Sequence[float], batch_size: int) -> tuple[float, float]:
+def batch_steps(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], batch_size: int) -> tuple[float, float]:
     """(sum of row decode steps, sum over batches of the slowest row's steps).
 
     Rows are grouped in order, `batch_size` at a time, as `generate_ids` batches them; a row
     emitting t tokens at E tokens per step takes (t - 1) / E decode steps.
     """
-    steps = [max(t - 1, 0) / e for t, e in zip(row_tokens, row_tps)]
+    steps = [max(t - 1, 0) / e for t, e in zip(row_tokens, row_tokens_per_step)]
     batches = [steps[i : i + batch_size] for i in range(0, len(steps), batch_size)]
     return float(sum(steps)), float(sum(max(b) for b in batches))
 
 
-def predict(row_tokens: Sequence[int], row_tps: Sequence[float], batch_size: int, step_s: float) -> dict:
+def predict(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], batch_size: int, step_s: float) -> dict:
     """Predicted decode throughput of rows at one step cost: {"tokens_per_step" E,
     "utilization" U, "tokens_per_s" = E x B x U / step_s}."""
-    row_steps, batch_total = batch_steps(row_tokens, row_tps, batch_size)
+    row_steps, batch_total = batch_steps(row_tokens, row_tokens_per_step, batch_size)
     decode_tokens = sum(max(t - 1, 0) for t in row_tokens)
     e = decode_tokens / row_steps if row_steps else 1.0
     u = row_steps / (batch_size * batch_total) if batch_total else 1.0
@@ -161,27 +163,6 @@ def knee(profile: LatencyProfile, batch_size: int, tolerance: float = 0.1) -> in
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """A draft shape: a chain of num_draft (0 = no speculation) or a tree preset."""
-
-    num_draft: int = 0
-    tree: str | None = None
-
-    @property
-    def label(self) -> str:
-        return shape_label(self.num_draft, self.tree)
-
-    @property
-    def tree_spec(self):
-        return draft_tree(self.num_draft, self.tree)
-
-    @property
-    def num_nodes(self) -> int:
-        spec = self.tree_spec
-        return spec.num_nodes if spec is not None else 0
-
-
 def draft_grid(max_draft: int) -> list[int]:
     """D = 1..8, then 10, 12, 16, 20, 24, 32, ... up to max_draft."""
     extra = [10, 12, 16, 20, 24, 32, 48, 64]
@@ -192,16 +173,16 @@ def draft_grid(max_draft: int) -> list[int]:
 class Calibration:
     """Per-row measurements of the calibration run: emitted tokens, joint acceptance per
     position (chain of max_draft), speculative summaries, and the per-row AL of each shape
-    that ran on its own (trees always; chains with calibrate_each), keyed by Candidate.label."""
+    that ran on its own (trees always; chains with calibrate_each), keyed by DraftShape.label."""
 
     row_tokens: list[int]
     row_joint: list[list[float]]
     spec_rows: list[dict]
-    measured_tps: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    tokens_per_step: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
-    def row_tps(self, cand: Candidate) -> list[float]:
-        if cand.label in self.measured_tps:
-            return self.measured_tps[cand.label]
+    def row_tokens_per_step(self, cand: DraftShape) -> list[float]:
+        if cand.label in self.tokens_per_step:
+            return self.tokens_per_step[cand.label]
         if cand.tree:
             raise KeyError(f"tree {cand.tree!r} was not calibrated")
         return [chain_tokens_per_step(j, cand.num_draft) for j in self.row_joint]
@@ -214,45 +195,53 @@ class Calibration:
 
 
 def calibrate(model, ids, run: RunConfig, draft_spec: str, max_draft: int,
-              candidates: Sequence[Candidate], dtype: str = "float32", each: bool = True) -> Calibration:
+              candidates: Sequence[DraftShape], dtype: str = "float32", each: bool = True,
+              progress: bool = False) -> Calibration:
     """Runs the drafter as a chain of max_draft over ids, then each tree candidate (and, when
-    `each`, each chain candidate) on its own; per-row profiles."""
-    drafter, params = make_any_drafter(draft_spec, draft_tree(max_draft), model, dtype)
-    results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
-    cal = Calibration(
-        row_tokens=[len(r.token_ids) for r in results],
-        row_joint=[r.spec["joint_acceptance"] for r in results],
-        spec_rows=[r.spec for r in results],
-    )
+    `each`, each chain candidate) on its own; per-row profiles. `progress`: a bar of the runs
+    on a terminal."""
     own_runs = [c for c in candidates if c.tree or (each and 0 < c.num_draft < max_draft)]
-    for cand in own_runs:
-        drafter, params = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
+    with progress_bar(total=1 + len(own_runs), desc="tune: calibrate", unit="run",
+                      enabled=progress) as bar:
+        bar.set_postfix_str(f"draft {max_draft}")
+        drafter, params = make_any_drafter(draft_spec, DraftShape(max_draft).tree_spec, model, dtype)
         results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
-        cal.measured_tps[cand.label] = [r.spec["acceptance_length"] for r in results]
+        bar.update()
+        cal = Calibration(
+            row_tokens=[len(r.token_ids) for r in results],
+            row_joint=[r.spec["joint_acceptance"] for r in results],
+            spec_rows=[r.spec for r in results],
+        )
+        for cand in own_runs:
+            bar.set_postfix_str(f"draft {cand.label}")
+            drafter, params = make_any_drafter(draft_spec, cand.tree_spec, model, dtype)
+            results = generate_batches(model, ids, run, drafter, params, run.max_new_tokens)
+            cal.tokens_per_step[cand.label] = [r.spec["acceptance_length"] for r in results]
+            bar.update()
     if each:
-        cal.measured_tps[str(max_draft)] = [r["acceptance_length"] for r in cal.spec_rows]
+        cal.tokens_per_step[str(max_draft)] = [r["acceptance_length"] for r in cal.spec_rows]
     return cal
 
 
-def predictions(cal: Calibration, prof: LatencyProfile, candidates: Sequence[Candidate], batch_size: int) -> list[dict]:
+def predictions(cal: Calibration, prof: LatencyProfile, candidates: Sequence[DraftShape], batch_size: int) -> list[dict]:
     """One row per candidate (no speculation included): E, U, costs and predicted tokens/s."""
     out = []
-    for cand in [Candidate(0)] + [c for c in candidates if c.label != "0"]:
-        tps = cal.row_tps(cand) if cand.label != "0" else [1.0] * len(cal.row_tokens)
+    for cand in [DraftShape(0)] + [c for c in candidates if c.label != "0"]:
+        per_step = cal.row_tokens_per_step(cand) if cand.label != "0" else [1.0] * len(cal.row_tokens)
         if cand.label == "0":
             t_target, t_draft, t_step = prof.target_at(batch_size, 1), 0.0, prof.ar_step.get(batch_size)
         else:
             t_target = prof.target_at(batch_size, 1 + cand.num_nodes)
             t_draft = prof.draft[batch_size][cand.label]
             t_step = prof.step.get(batch_size, {}).get(cand.label)
-        ideal = predict(cal.row_tokens, tps, batch_size, t_target + t_draft)
+        ideal = predict(cal.row_tokens, per_step, batch_size, t_target + t_draft)
         row = {
             "label": cand.label, "num_draft": cand.num_draft, "tree": cand.tree,
             "tokens_per_step": ideal["tokens_per_step"], "utilization": ideal["utilization"],
             "t_target_s": t_target, "t_draft_s": t_draft, "t_step_s": t_step,
             "predicted_tps": ideal["tokens_per_s"],
             "predicted_tps_step": (
-                predict(cal.row_tokens, tps, batch_size, t_step)["tokens_per_s"] if t_step else None
+                predict(cal.row_tokens, per_step, batch_size, t_step)["tokens_per_s"] if t_step else None
             ),
         }
         row["rank_tps"] = row["predicted_tps_step"] or row["predicted_tps"]
@@ -281,15 +270,17 @@ def median_rates(chunk_passes: Sequence[Sequence[ModeRecord]]) -> dict[str, floa
 
 def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequence[dict],
                        dtype: str = "float32", repeats: int = 3,
-                       before_pass: Callable[[int], None] | None = None) -> dict[str, dict]:
+                       before_pass: Callable[[int], None] | None = None,
+                       progress: bool = False) -> dict[str, dict]:
     """Real decode throughput of each candidate (prediction rows) at run.batch_size:
     label -> {"decode_tokens_per_s", "tokens_per_s"} (`median_rates` over `repeats` passes).
 
     The candidates take turns batch by batch (rotating who goes first), so a drifting load
-    hits every candidate alike; before_pass(r) runs before pass r (the tuner re-profiles there)."""
+    hits every candidate alike; before_pass(r) runs before pass r (the tuner re-profiles there).
+    `progress`: a bar of the timed runs (candidate x batch x pass) on a terminal."""
     modes = {}
     for row in labels:
-        cand = Candidate(row["num_draft"], row["tree"])
+        cand = DraftShape(row["num_draft"], row["tree"])
         if cand.label == "0":
             modes[cand.label] = (None, None)
         else:
@@ -298,14 +289,18 @@ def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequ
     starts = range(0, len(ids), run.batch_size)
     records = {label: [[] for _ in starts] for label in modes}
     order = list(modes.items())
-    for rep in range(repeats):
-        if before_pass is not None:
-            before_pass(rep)
-        for chunk, start in enumerate(starts):
-            turn = rep * len(starts) + chunk
-            for label, (drafter, params) in order[turn % len(order):] + order[: turn % len(order)]:
-                rec = timed_run(model, ids[start : start + run.batch_size], run, drafter, params)
-                records[label][chunk].append(rec)
+    with progress_bar(total=repeats * len(starts) * len(order), desc=f"tune: B={run.batch_size}",
+                      unit="run", enabled=progress) as bar:
+        for rep in range(repeats):
+            if before_pass is not None:
+                before_pass(rep)
+            for chunk, start in enumerate(starts):
+                turn = rep * len(starts) + chunk
+                for label, (drafter, params) in rotated(order, turn):
+                    bar.set_postfix_str(f"pass {rep + 1}/{repeats}, draft {label}")
+                    rec = timed_run(model, ids[start : start + run.batch_size], run, drafter, params)
+                    records[label][chunk].append(rec)
+                    bar.update()
     return {label: median_rates(chunks) | {"tokens_per_step": measured_tokens_per_step(chunks)}
             for label, chunks in records.items()}
 
@@ -340,9 +335,9 @@ def check_row(cal: Calibration, pred: dict, batch_size: int, rechecks: Sequence[
            "measured_tokens_per_step": pred.get("measured_tokens_per_step")}
     if rechecks:
         t_step = statistics.median(r[pred["label"]] for r in rechecks)
-        tps = cal.row_tps(Candidate(pred["num_draft"], pred["tree"]))
+        per_step = cal.row_tokens_per_step(DraftShape(pred["num_draft"], pred["tree"]))
         row["t_step_check_s"] = t_step
-        row["predicted_tps_check"] = predict(cal.row_tokens, tps, batch_size, t_step)["tokens_per_s"]
+        row["predicted_tps_check"] = predict(cal.row_tokens, per_step, batch_size, t_step)["tokens_per_s"]
         row["measured_over_predicted_check"] = (pred["measured_tps"] or 0.0) / row["predicted_tps_check"]
         row["step_drift"] = t_step / pred["t_step_s"] if pred["t_step_s"] else None
     return row
@@ -374,7 +369,8 @@ class TuneConfig:
 
 
 def self_check(model, ids, run: RunConfig, draft_spec: str, tc: TuneConfig, cal: Calibration,
-               preds: list[dict], drafters: dict, context: int, capacity: int) -> dict:
+               preds: list[dict], drafters: dict, context: int, capacity: int,
+               progress: bool = False) -> dict:
     """Runs the best tc.check predictions (every one with tc.sweep) for real at run.batch_size,
     re-profiling their step costs before each pass; fills each prediction row's measured
     fields and returns the entry's "check" rows, the measured "pick" and the "sweep" summary."""
@@ -387,7 +383,8 @@ def self_check(model, ids, run: RunConfig, draft_spec: str, tc: TuneConfig, cal:
                                    capacity=capacity, repeats=tc.profile_repeats))
 
     measured = measure_candidates(model, ids, run, draft_spec, measure_top, tc.dtype,
-                                  tc.measure_repeats, reprofile if tc.step_profile else None)
+                                  tc.measure_repeats, reprofile if tc.step_profile else None,
+                                  progress=progress)
     for p in preds:
         p["measured_tps"] = measured.get(p["label"], {}).get("decode_tokens_per_s")
         p["measured_tokens_per_step"] = measured.get(p["label"], {}).get("tokens_per_step")
@@ -402,19 +399,21 @@ def self_check(model, ids, run: RunConfig, draft_spec: str, tc: TuneConfig, cal:
 
 
 def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConfig, tc: TuneConfig,
-         log: Callable[[str], None] = lambda _: None, model_name: str | None = None) -> dict:
+         log: Callable[[str], None] = lambda _: None, model_name: str | None = None,
+         progress: bool = False) -> dict:
     """Calibrate, profile, predict, check; returns the report (schedule in report["schedule"]).
 
-    model_name: how the schedule names the model (default: its config's name)."""
+    model_name: how the schedule names the model (default: its config's name); progress: bars
+    of the calibration and measuring runs on a terminal."""
     ids = [list(p) for p in rows_ids]
     if not ids:
         raise ValueError("tune needs at least one prompt")
-    cands = [Candidate(d) for d in (tc.draft_lengths or draft_grid(tc.max_draft))]
-    cands += [Candidate(tree=t) for t in tc.trees]
+    cands = [DraftShape(d) for d in (tc.draft_lengths or draft_grid(tc.max_draft))]
+    cands += [DraftShape(tree=t) for t in tc.trees]
     max_draft = max([tc.max_draft] + [c.num_draft for c in cands])
     start = time.perf_counter()
     cal = calibrate(model, ids, dataclasses.replace(run, batch_size=tc.calib_batch_size),
-                    draft_spec, max_draft, cands, tc.dtype, tc.calibrate_each)
+                    draft_spec, max_draft, cands, tc.dtype, tc.calibrate_each, progress)
     log(f"calibration: {len(ids)} prompts, chain of {max_draft}"
         f"{' and each candidate' if tc.calibrate_each else ''}, "
         f"{time.perf_counter() - start:.0f} s")
@@ -429,13 +428,13 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
                         "acceptance": cal.acceptance(),
                         # E[tokens per step] of each shape calibrated on its own run
                         "own_runs": {k: predict(cal.row_tokens, v, 1, 1.0)["tokens_per_step"]
-                                     for k, v in cal.measured_tps.items()}},
+                                     for k, v in cal.tokens_per_step.items()}},
         "roofline": roof,
         "analytic": {"group_size": model.cfg.group_size,
                      **tile_draft_lengths(model.cfg.group_size, max_draft)},
         "batch_sizes": {},
     }
-    buckets, prof = [], None
+    entries, prof = [], None
     for b in tc.batch_sizes:
         # profiled right before its candidates are measured: on a shared machine whose load
         # drifts, a profile taken long before the check would mispredict it
@@ -454,18 +453,18 @@ def tune(model, rows_ids: Sequence[Sequence[int]], draft_spec: str, run: RunConf
         }
         if tc.sweep or tc.check:
             entry |= self_check(model, ids, dataclasses.replace(run, batch_size=b), draft_spec, tc,
-                                cal, preds, drafters, context, capacity)
+                                cal, preds, drafters, context, capacity, progress)
         report["batch_sizes"][b] = entry
         top = next(p for p in preds if p["label"] == entry["pick"])
-        buckets.append(Bucket(
-            batch_size=b, num_draft=top["num_draft"], tree=top["tree"],
+        entries.append(ScheduleEntry(
+            batch_size=b, shape=DraftShape(top["num_draft"], top["tree"]),
             extra={"predicted_tokens_per_s": round(top["rank_tps"], 2)}
             | ({"measured_tokens_per_s": round(top["measured_tps"], 2)} if top.get("measured_tps") else {}),
         ))
         for line in format_batch(b, entry, report["analytic"]):
             log(line)
     report["device"], report["profile"] = prof.device, prof.to_dict()
-    report["schedule"] = Schedule(tuple(buckets), model=model_name or model.cfg.name, draft=draft_spec,
+    report["schedule"] = Schedule(tuple(entries), model=model_name or model.cfg.name, draft=draft_spec,
                                   device=prof.device["device_kind"]).to_dict()
     return report
 

@@ -274,14 +274,6 @@ def draft_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: i
     return step, dstate
 
 
-def step_latency(cfg, params, drafter, drafter_params, batch_size: int, *, context: int,
-                 capacity: int | None = None, repeats: int = 5, warmup: int = 2) -> float:
-    """T_step(B, drafter) in seconds."""
-    timer = step_timer(cfg, params, drafter, drafter_params, batch_size, context=context,
-                       capacity=capacity, calls=repeats + warmup)
-    return _median(timer, repeats, warmup)
-
-
 def draft_latency(cfg, params, drafter, drafter_params, batch_size: int, *, context: int,
                   capacity: int | None = None, repeats: int = 5, warmup: int = 2) -> float:
     """T_draft(B, drafter) in seconds."""

@@ -254,6 +254,6 @@ def test_bench_end_to_end_forced(tiny_model, tmp_path):
     assert o["spec"]["accepted_length_histogram"][0] == 0 == o["spec"]["accepted_length_histogram"][2]
     assert set(report["categories"]) == {"a", "b"}
     pytest.importorskip("matplotlib")
-    from specjax.measure.bench import write_plots
+    from specjax.measure.plots import write_plots
 
     assert all(p.exists() for p in write_plots(report, tmp_path))

@@ -127,7 +127,7 @@ CASES = [
     ([*GEN, "--out", "{tmp}/no_folder/out.jsonl"], "--out {tmp}/no_folder/out.jsonl: folder {tmp}/no_folder does not exist"),
     ([*GEN, "--out", "{tmp}"], "--out {tmp}: is a folder"),
     # bench
-    (["bench", "--dataset", "synthetic:2"], "bench needs --draft"),
+    (["bench", "--dataset", "synthetic:2"], "the following arguments are required: --draft"),
     (["bench", "--draft", "ngram", "--dataset", "synthetic:0"], "prompt set 'synthetic:0': expected synthetic[:N[:LEN]]"),
     (["bench", "--draft", "ngram", "--dataset", "synthetic:abc"], "prompt set 'synthetic:abc'"),
     (["bench", "--draft", "ngram", "--dataset", "synthetic:2:0"], "prompt set 'synthetic:2:0'"),
@@ -142,8 +142,9 @@ CASES = [
     ([*BENCH, "--temperature", "nan"], "argument --temperature: must be a finite number"),
     ([*BENCH, "--tree", "{tmp}/empty.yaml"], "tree file {tmp}/empty.yaml: the file is empty"),
     (["bench", "--draft", "nope", "--dataset", "synthetic:2"], "--draft 'nope': unknown drafter"),
-    ([*BENCH, "--json", "{tmp}/no_folder/r.json"], "--json {tmp}/no_folder/r.json: folder {tmp}/no_folder does not exist"),
-    ([*BENCH, "--json", "{tmp}"], "--json {tmp}: is a folder"),
+    ([*BENCH, "--out", "{tmp}/no_folder/r.json"], "--out {tmp}/no_folder/r.json: folder {tmp}/no_folder does not exist"),
+    ([*BENCH, "--out", "{tmp}"], "--out {tmp}: is a folder"),
+    ([*BENCH, "--json", "{tmp}"], "--out {tmp}: is a folder"),  # the old name still checked
     ([*BENCH, "--plots", "{tmp}/a_file"], "--plots {tmp}/a_file: is not a folder"),
     # tune
     (["tune", "--draft", "ngram", "--dataset", "synthetic:0"], "prompt set 'synthetic:0'"),
@@ -156,11 +157,13 @@ CASES = [
     ([*TUNE, "--measure-repeats", "0"], "argument --measure-repeats: must be an integer >= 1"),
     ([*TUNE, "--trees", "chain4,nope"], "unknown tree 'nope'"),
     ([*TUNE, "--out", "{tmp}/no_folder/s.yaml"], "--out {tmp}/no_folder/s.yaml: folder {tmp}/no_folder does not exist"),
-    ([*TUNE, "--json", "{tmp}"], "--json {tmp}: is a folder"),
+    ([*TUNE, "--report", "{tmp}"], "--report {tmp}: is a folder"),
+    ([*TUNE, "--json", "{tmp}"], "--report {tmp}: is a folder"),  # the old name of --report
     (["tune", "--draft", "nope", "--dataset", "synthetic:2"], "--draft 'nope': unknown drafter"),
     # profile
     (["profile", "--batch-sizes", "x"], "--batch-sizes: expected comma-separated integers >= 1"),
-    (["profile", "--json", "{tmp}/no_folder/p.json"], "folder {tmp}/no_folder does not exist"),
+    (["profile", "--out", "{tmp}/no_folder/p.json"], "--out {tmp}/no_folder/p.json: folder {tmp}/no_folder does not exist"),
+    (["profile", "--out", "{tmp}"], "--out {tmp}: is a folder"),
 ]
 
 
@@ -400,6 +403,6 @@ def test_bench_report_on_a_full_disk_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setattr(specjax.measure.bench, "make_any_drafter", lambda *a, **k: (None, None))
     monkeypatch.setattr(specjax.measure.bench, "run_bench", lambda *a, **k: {"overall": {}})
     monkeypatch.setattr(specjax.measure.bench, "summary_lines", lambda report: [])
-    assert run_cli([*BENCH, "--json", "/dev/full"]) == 2
+    assert run_cli([*BENCH, "--out", "/dev/full"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "specjax: error: cannot write /dev/full: No space left on device")

@@ -4,11 +4,12 @@ from __future__ import annotations
 import sys
 
 from specjax.cli.options import (
-    InputError,
     add_dataset_args,
     add_draft_args,
     add_model_args,
+    add_renamed_option,
     add_sampling_args,
+    add_subcommand,
     check_outputs,
     dataset_rows,
     draft_shape,
@@ -26,12 +27,10 @@ def cmd_bench(args) -> int:
         run_bench,
         summary_lines,
         write_json,
-        write_plots,
     )
+    from specjax.measure.plots import write_plots
     from specjax.measure.profile import load_target
 
-    if not args.draft:
-        raise InputError("bench needs --draft (the baseline is plain decoding)")
     tree = draft_shape(args)
     check_outputs(args)
     rows = dataset_rows(args)
@@ -42,13 +41,13 @@ def cmd_bench(args) -> int:
         chat=not args.no_chat, repeats=args.repeats, ideal=args.ideal or is_forced(args.draft),
         config={"model": args.model, "draft": args.draft, "dataset": args.dataset,
                 "per_category": args.per_category, "dtype": args.dtype},
-        command=sys.argv, log=say,
+        command=sys.argv, log=say, progress=True,
     )
     for line in summary_lines(report):
         print(line)
-    if args.json_out:
-        with writing_output(args.json_out):
-            write_json(report, args.json_out)
+    if args.out:
+        with writing_output(args.out):
+            write_json(report, args.out)
     if args.plots:
         with writing_output(args.plots):
             for path in write_plots(report, args.plots):
@@ -57,13 +56,17 @@ def cmd_bench(args) -> int:
 
 
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="speculative vs plain decoding per category (JSON, plots)")
+    bench = add_subcommand(sub, "bench",
+                           "speculative vs plain decoding per category (JSON report, plots)")
     add_model_args(bench)
-    add_draft_args(bench)
+    add_draft_args(bench, required=True)
     add_sampling_args(bench)
     add_dataset_args(bench)
-    bench.add_argument("--json", dest="json_out", help="write the report (schema: specjax.bench v1)")
-    bench.add_argument("--plots", help="folder for PNG plots (needs the `plots` extra)")
+    bench.add_argument("--out", help="JSON report (schema specjax.bench v1; default: the summary "
+                       "table on stdout only)")
+    add_renamed_option(bench, "--json", "--out", dest="out")
+    bench.add_argument("--plots", help="folder for PNG plots (needs the `plots` extra; "
+                       "default: no plots)")
     bench.add_argument("--repeats", type=positive_int, default=1, help="timed passes over the prompts")
     bench.add_argument("--ideal", action="store_true",
                        help="profile step costs for the ideal speedup and system efficiency "

@@ -7,18 +7,18 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from specjax.cli.options import (
     InputError,
     add_draft_args,
     add_model_args,
     add_sampling_args,
+    add_subcommand,
     check_output_path,
     draft_shape,
     load_tuned,
     make_draft,
 )
+from specjax.progress import progress_bar
 from specjax.prompt_io import check_unique_ids, output_row, read_prompts
 
 
@@ -74,7 +74,7 @@ def cmd_generate(args) -> int:
     total_tokens, spec_rows, error_ids = 0, [], []
     start = time.perf_counter()
     try:
-        bar = tqdm(total=len(todo), desc="generate", unit="prompt", file=sys.stderr, disable=None)
+        bar = progress_bar(total=len(todo), desc="generate", unit="prompt")
         batches = iter_generate(
             model, [r["prompt"] for r in todo], max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -116,15 +116,18 @@ def cmd_generate(args) -> int:
 
 
 def add_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="generate completions (optionally speculative)")
+    gen = add_subcommand(sub, "generate", "generate completions (optionally speculative)")
     add_model_args(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt text")
     source.add_argument("--prompts", help="JSONL file: {'prompt'} or {'question_id','category','turns'} rows")
-    gen.add_argument("--out", help="output JSONL, appended as each batch finishes")
-    gen.add_argument("--resume", action="store_true", help="skip ids already in --out")
+    gen.add_argument("--out", help="output JSONL, one row per prompt, appended as each batch "
+                     "finishes (default: completions printed on stdout)")
+    gen.add_argument("--resume", action="store_true",
+                     help="skip ids already in --out (a torn or corrupt line is regenerated)")
     add_sampling_args(gen)
     add_draft_args(gen)
-    gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune` (the batch size "
-                     "picks the draft shape; its drafter is used when --draft is not given)")
+    gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune --out` (the batch "
+                     "size picks the draft shape; its drafter is used when --draft is not given; "
+                     "default: none)")
     gen.set_defaults(func=cmd_generate)

@@ -3,10 +3,12 @@ error path (every expected failure is one `specjax: error:` line and exit status
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
 from specjax.cli import bench, generate, profile, train, tune
+from specjax.cli.options import HelpFormatter
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
 SUBCOMMANDS = (generate, bench, profile, tune, train)
@@ -18,8 +20,22 @@ def fail(message: str) -> int:
     return 2
 
 
+def version() -> str:
+    """The installed package's version (importlib.metadata), or the source tree's when specjax
+    runs without being installed."""
+    try:
+        return importlib.metadata.version("specjax")
+    except importlib.metadata.PackageNotFoundError:
+        from specjax import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the version of specjax and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)

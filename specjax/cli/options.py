@@ -11,13 +11,50 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from specjax.errors import InputError
+from specjax.progress import say
 from specjax.tree import check_num_draft
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` of every subcommand: each option's help ends with "(default: X)" when it has a
+    default to show (not for required options, flags that default to off, or options whose
+    absence the help text itself explains)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.required or action.default is None or action.default is False or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_subcommand(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, formatted by HelpFormatter; `summary` is its line in
+    `specjax --help` and the description of `specjax NAME --help`."""
+    return sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+
+
+class RenamedOption(argparse.Action):
+    """A former spelling of an option, kept so old commands still run: hidden from `--help`,
+    it stores into the new option's dest and prints a one-line note naming the new spelling."""
+
+    def __init__(self, option_strings, dest, renamed_to: str, **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)
+        self.renamed_to = renamed_to
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        say(f"specjax: note: {option_string} is now {self.renamed_to}")
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed_option(p: argparse.ArgumentParser, old: str, new: str, dest: str) -> None:
+    """Accepts `old` as a hidden alias of the option `new` (whose dest is `dest`)."""
+    p.add_argument(old, dest=dest, action=RenamedOption, renamed_to=new, metavar=dest.upper())
 
 
 def _parsed(text: str, kind: type):
@@ -126,28 +163,42 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = False
 DEFAULT_NUM_DRAFT = 4
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="preset name, .gguf file or HF folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--model", default="smollm2-135m",
+                   help="target model: a preset name, a .gguf file or a Hugging Face folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the weights and the compute")
 
-def add_draft_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default=None,
-                   help="ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "
-                        "eagle3|mtp|medusa|dflash|dspark:DIR (trained or upstream HF folder)")
+DRAFTER_HELP = ("drafter: ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "
+                "eagle3|mtp|medusa|dflash|dspark:DIR (trained or upstream HF folder) | "
+                "forced:PROFILE (measurement only)")
+
+def add_draft_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--draft", default=None, required=required,
+                   help=DRAFTER_HELP + ("" if required else " (default: none, plain decoding)"))
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-draft", type=num_draft, default=None,
-                       help=f"chain of D draft tokens (default {DEFAULT_NUM_DRAFT})")
-    group.add_argument("--tree", default=None, help="tree preset name or YAML file")
+                       help=f"draft a chain of D tokens per step (default: {DEFAULT_NUM_DRAFT} "
+                            "with --draft)")
+    group.add_argument("--tree", default=None,
+                       help="draft a tree instead of a chain: a preset name (configs/trees/) or "
+                            "a YAML file (default: a chain)")
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
-    p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="new tokens per prompt at most")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="sample among the K most likely tokens (default: off)")
+    p.add_argument("--top-p", type=probability, default=None,
+                   help="sample among the most likely tokens whose probabilities sum to P, "
+                        "in (0, 1] (default: off)")
+    p.add_argument("--seed", type=seed, default=0, help="PRNG seed of the sampling, in [0, 2**32)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch")
+    p.add_argument("--no-chat", action="store_true",
+                   help="encode prompts as plain text, without the model's chat template")
     p.add_argument("--stop", action="append", type=non_empty_text, default=None,
-                   help="stop string (repeatable)")
+                   help="stop when the completion contains this text (repeatable; default: none)")
 
 def check_draft_spec(spec: str, option: str = "--draft") -> None:
     """An InputError unless `spec` starts with a registered drafter name (checked before any
@@ -200,7 +251,7 @@ DATASET_HELP = ("prompt set: a JSONL file (Spec-Bench/MT-bench rows or {'prompt'
                 "or synthetic[:N[:LEN]]")
 
 #: output options of the measurement commands: dest -> (option, is a folder)
-OUTPUT_OPTIONS = {"json_out": ("--json", False), "out": ("--out", False), "plots": ("--plots", True)}
+OUTPUT_OPTIONS = {"out": ("--out", False), "report": ("--report", False), "plots": ("--plots", True)}
 
 def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
     """Comma-separated integers >= 1 (None when not given); an InputError names `option`."""
@@ -239,9 +290,6 @@ def writing_output(path: str):
 def name_list(text: str | None) -> tuple[str, ...]:
     return tuple(x for x in (text or "").split(",") if x)
 
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
 def dataset_rows(args):
     """The --dataset rows kept by --categories / --per-category; an InputError when none are."""
     from specjax.measure.datasets import load_prompt_set, select_rows
@@ -267,6 +315,6 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help=DATASET_HELP)
     p.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     p.add_argument("--per-category", type=positive_int, default=None,
-                   help="first N prompts of each category")
+                   help="first N prompts of each category (default: all)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="rows run to --max-new-tokens (implied by --draft forced:...)")

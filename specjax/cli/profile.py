@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 
 from specjax.cli.options import (
+    DRAFTER_HELP,
     add_model_args,
+    add_renamed_option,
+    add_subcommand,
     check_draft_spec,
     check_outputs,
     draft_length_list,
@@ -22,7 +25,7 @@ def cmd_profile(args) -> int:
 
     tokens = int_list(args.tokens, "--tokens") or tuple(range(1, args.max_tokens + 1))
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
-    draft_lengths = draft_length_list(args.draft_lengths, "--draft-lengths") or (1, 2, 4, 8)
+    draft_lengths = draft_length_list(args.draft_lengths, "--draft-lengths")
     if args.draft:
         check_draft_spec(args.draft)
     check_outputs(args)
@@ -36,26 +39,31 @@ def cmd_profile(args) -> int:
         repeats=args.repeats, steps=not args.no_step_profile, log=say,
     )
     text = json.dumps(prof.to_dict(), indent=2)
-    if args.json_out:
+    if args.out:
         from pathlib import Path
 
-        with writing_output(args.json_out):
-            Path(args.json_out).write_text(text + "\n", encoding="utf-8")
+        with writing_output(args.out):
+            Path(args.out).write_text(text + "\n", encoding="utf-8")
     else:
         print(text)
     return 0
 
 
 def add_parser(sub) -> None:
-    prof = sub.add_parser("profile", help="latency curves T_target(B, T), T_draft(B, D), T_step")
+    prof = add_subcommand(sub, "profile", "latency curves T_target(B, T), T_draft(B, D), T_step")
     add_model_args(prof)
-    prof.add_argument("--batch-sizes", default="1,4")
-    prof.add_argument("--max-tokens", type=positive_int, default=16, help="T = 1..T_max")
-    prof.add_argument("--tokens", help="explicit comma-separated T values")
-    prof.add_argument("--draft", help="drafter spec to time (ngram, forced:0.8, ...)")
-    prof.add_argument("--draft-lengths", help="comma-separated D values (default 1,2,4,8)")
+    prof.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes B")
+    prof.add_argument("--max-tokens", type=positive_int, default=16,
+                      help="time the target at T = 1..T_max tokens per row")
+    prof.add_argument("--tokens", help="comma-separated T values (default: 1..--max-tokens)")
+    prof.add_argument("--draft", help=DRAFTER_HELP + ", to time as T_draft(B, D) and T_step "
+                      "(default: the target only)")
+    prof.add_argument("--draft-lengths", default="1,2,4,8",
+                      help="comma-separated draft lengths D to time with --draft")
     prof.add_argument("--context", type=positive_int, default=256, help="tokens already in the cache")
-    prof.add_argument("--repeats", type=positive_int, default=5)
-    prof.add_argument("--no-step-profile", action="store_true", help="skip T_step")
-    prof.add_argument("--json", dest="json_out")
+    prof.add_argument("--repeats", type=positive_int, default=5, help="timed runs per point (median)")
+    prof.add_argument("--no-step-profile", action="store_true",
+                      help="skip T_step(B, D), the timing of whole speculative steps")
+    prof.add_argument("--out", help="write the JSON here (default: print it on stdout)")
+    add_renamed_option(prof, "--json", "--out", dest="out")
     prof.set_defaults(func=cmd_profile)

@@ -1,6 +1,6 @@
 """`specjax train-drafter`: self-distill a prompt set with the target, train a learned drafter.
 
-    specjax train-drafter --target smollm2-135m --kind eagle3 --prompts a.jsonl b.jsonl \
+    specjax train-drafter --model smollm2-135m --kind eagle3 --prompts a.jsonl b.jsonl \
         --steps 2000 --batch-size 8 --out runs/eagle3 [--resume]
 
 OUT holds the data, the orbax checkpoints and drafter.json (`specjax.train.trainer`); load the
@@ -9,12 +9,18 @@ Registered by `specjax.cli.main.build_parser`; heavy imports happen inside the c
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-from specjax.cli.options import InputError, finite_float_above, int_at_least
+from specjax.cli.options import (
+    InputError,
+    add_model_args,
+    add_renamed_option,
+    add_subcommand,
+    finite_float_above,
+    int_at_least,
+)
 from specjax.prompt_io import read_prompts
 
 KINDS = ("eagle3", "mtp", "medusa", "dflash", "dspark")
@@ -30,32 +36,36 @@ HEAD_OPTIONS = {
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train-drafter", help="train a learned drafter on the target's own outputs",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="preset name, .gguf file or HF folder")
-    p.add_argument("--kind", required=True, choices=KINDS)
+    p = add_subcommand(sub, "train-drafter", "train a learned drafter on the target's own outputs")
+    add_model_args(p)
+    add_renamed_option(p, "--target", "--model", dest="model")
+    p.add_argument("--kind", required=True, choices=KINDS, help="the drafter head to train")
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files")
-    p.add_argument("--steps", type=int_at_least(1), required=True)
-    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--steps", type=int_at_least(1), required=True, help="optimizer steps")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
     p.add_argument("--out", required=True, help="output folder (data, checkpoints, drafter.json); "
                    "must be empty or new unless --resume")
     p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
-    p.add_argument("--lr", type=finite_float_above(0, inclusive=False), default=3e-4)
+    p.add_argument("--lr", type=finite_float_above(0, inclusive=False), default=3e-4,
+                   help="peak learning rate (AdamW, warmup then cosine decay)")
     p.add_argument("--warmup", type=int_at_least(0), default=0,
                    help="warmup steps, below --steps (0: 5%% of --steps)")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--save-every", type=int_at_least(1), default=100)
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of the head's init, the batch order and the data's sampling")
+    p.add_argument("--save-every", type=int_at_least(1), default=100,
+                   help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep", type=int_at_least(1), default=3, help="checkpoints kept")
     p.add_argument("--seq-len", type=int_at_least(2), default=256, help="training sequence length")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=192,
                    help="response tokens per prompt")
     p.add_argument("--num-prompts", type=int_at_least(1), default=None,
-                   help="use the first N prompts")
+                   help="use the first N prompts (default: all)")
     p.add_argument("--gen-batch-size", type=int_at_least(1), default=16,
                    help="batch of the data generation")
-    p.add_argument("--gen-temperature", type=finite_float_above(0, inclusive=True), default=0.0)
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--gen-temperature", type=finite_float_above(0, inclusive=True), default=0.0,
+                   help="sampling temperature of the data generation; 0 is greedy")
+    p.add_argument("--no-chat", action="store_true",
+                   help="encode prompts as plain text, without the model's chat template")
     p.add_argument("--depth", type=int_at_least(1),
                    help="eagle3/mtp: training-time-test steps; medusa: heads")
     p.add_argument("--draft-vocab", type=int_at_least(1),
@@ -117,7 +127,7 @@ def cmd_train_drafter(args) -> int:
     rows = [r for path in args.prompts for r in read_prompts(path)][: args.num_prompts]
     if not rows:
         raise InputError("no prompts")
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_model(args.model, dtype=args.dtype)
     check_against_target(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]

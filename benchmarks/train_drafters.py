@@ -84,12 +84,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_drafters"))
     args = p.parse_args(argv)
 
-    from specjax.prompt_io import read_prompts
-    from specjax.measure.datasets import load_prompt_set
-    from specjax.drafters.learned import drafter_params, make_learned_drafter
+    from specjax.drafters.learned.checkpoint import load_trained
+    from specjax.drafters.learned.drafting import drafter_params
+    from specjax.drafters.learned.registry import make_learned_drafter
     from specjax.drafters.ngram import NgramDrafter
+    from specjax.measure.datasets import load_prompt_set
     from specjax.models.hub import load_model
-    from specjax.train.trainer import TrainConfig, load_trained, prepare_data, train_drafter
+    from specjax.prompt_io import read_prompts
+    from specjax.train.trainer import TrainConfig, prepare_data, train_drafter
     from specjax.tree import chain
 
     out = Path(args.out)

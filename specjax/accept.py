@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.gather import take_rows
 from specjax.rng import per_row
 from specjax.sampling import SamplingParams, probabilities
 from specjax.tree import TreeSpec
@@ -52,12 +53,6 @@ def _deepest(taken: jax.Array, tree: TreeSpec) -> jax.Array:
     depth = jnp.where(taken, jnp.asarray(tree.node_depth), 0)
     depth = jnp.concatenate([jnp.zeros_like(depth[:, :1]), depth], axis=1)
     return jnp.argmax(depth, axis=1).astype(jnp.int32)
-
-
-def _at_row(x: jax.Array, last: jax.Array) -> jax.Array:
-    """`x[b, last[b]]` for `x` `[B, 1 + N, ...]` and `last` `[B]`."""
-    idx = last.reshape(last.shape + (1,) * (x.ndim - 1))
-    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
 def _result(last: jax.Array, next_token: jax.Array, tree: TreeSpec) -> AcceptResult:
@@ -102,7 +97,7 @@ def accept_greedy(target_logits: jax.Array, draft: Draft, tree: TreeSpec) -> Acc
     target = jnp.argmax(target_logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
     match = draft.valid & (draft.tokens == target[:, tree.verify_parents])
     last = _deepest(_all_ancestors(match, tree), tree)
-    return _result(last, _at_row(target, last), tree)
+    return _result(last, take_rows(target, last), tree)
 
 
 # ---- lossless sampling -----------------------------------------------------------------------
@@ -204,7 +199,7 @@ def _sibling_walk(
         r = r.at[:, rows].set(jnp.where(live[..., None], residual_fn(r_rows, q_nodes), r_rows))
 
     last = _deepest(_all_ancestors(accepted, tree), tree)
-    return _result(last, _sample(next_noise, _at_row(r, last)), tree)
+    return _result(last, _sample(next_noise, take_rows(r, last)), tree)
 
 
 # ---- typical acceptance (lossy) ----------------------------------------------------------------
@@ -238,7 +233,7 @@ def accept_typical(
     ok = draft.valid & (_at_parents(p, draft.tokens, tree) > limit[:, tree.verify_parents])
     last = _deepest(_all_ancestors(ok, tree), tree)
     noise = _uniforms(key, p.shape[0], p.shape[-1])
-    return _result(last, _sample(noise, _at_row(p, last)), tree)
+    return _result(last, _sample(noise, take_rows(p, last)), tree)
 
 
 # ---- dispatch --------------------------------------------------------------------------------

@@ -27,11 +27,13 @@ from conftest import tiny_config
 from test_accept import chi_square
 
 from specjax.api import generate_ids
-from specjax.drafters.learned import drafter_params, make_learned_drafter
+from specjax.drafters.learned.blocks import TargetView
+from specjax.drafters.learned.drafting import drafter_params
+from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
+from specjax.drafters.learned.sequential import ttt_unroll
 from specjax.drafters.registry import make_drafter
 from specjax.metrics import job_summary
 from specjax.models.cache import init_cache
-from specjax.models.heads import TargetView, init_head, make_head_config, ttt_unroll
 from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams, probabilities
 from specjax.train.data import Sequences, self_distill
@@ -290,8 +292,8 @@ def upstream_head(kind, cfg):
 def test_upstream_layout_round_trip(kind, target, tmp_path):
     from safetensors.numpy import load_file
 
+    from specjax.drafters.learned.hf import load_upstream, save_upstream
     from specjax.drafters.registry import make_drafter
-    from specjax.models.upstream import load_upstream, save_upstream
 
     cfg, params = target
     head, variables = upstream_head(kind, cfg)
@@ -310,7 +312,7 @@ def test_eagle3_upstream_tensors_mean_what_upstream_means(target, tmp_path):
     ([out, in] weights, [emb; hidden] concatenation, GQA, rotate-half RoPE), equals ours."""
     from safetensors.numpy import load_file
 
-    from specjax.models.upstream import save_upstream
+    from specjax.drafters.learned.hf import save_upstream
 
     cfg, _ = target
     head, variables = upstream_head("eagle3", cfg)
@@ -348,7 +350,7 @@ def test_eagle3_upstream_tensors_mean_what_upstream_means(target, tmp_path):
     h = h + (gate / (1 + np.exp(-gate)) * up) @ w["midlayer.mlp.down_proj.weight"].T
     want = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [T, Vd]
 
-    from specjax.models.eagle3 import Eagle3Model
+    from specjax.drafters.learned.eagle3 import Eagle3Model
 
     got = Eagle3Model(head).apply(variables, tuple(jnp.asarray(f)[None] for f in feats),
                                   jnp.asarray(emb)[None], jnp.arange(seq)[None])[0]

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from specjax.models.heads import make_head_config
+from specjax.drafters.learned.checkpoint import load_trained
+from specjax.drafters.learned.eagle3 import draft_vocabulary
+from specjax.drafters.learned.registry import make_head_config
 from specjax.models.llama import init_params
-from specjax.train.data import Sequences, batch_indices, draft_vocabulary, get_batch, response_mask
+from specjax.train.data import Sequences, batch_indices, get_batch, response_mask, response_tokens
 from specjax.train.trainer import (
     TrainConfig,
     checkpoint_manager,
     init_train_state,
-    load_trained,
     restore_state,
     save_state,
     train,
@@ -69,8 +70,9 @@ def test_batch_order_is_a_function_of_seed_and_step(setup):
 def test_draft_vocabulary_keeps_the_most_frequent_response_tokens():
     rows = [([9, 9, 9], [3, 3, 3, 5]), ([9], [3, 5, 7])]
     data = Sequences.from_rows(rows, seq_len=8)
-    assert draft_vocabulary(data, 16, 2).tolist() == [3, 5]  # 9 is prompt-only
-    assert draft_vocabulary(data, 16, 4).tolist() == [0, 3, 5, 7]  # topped up with unused ids
+    tokens = response_tokens(data)
+    assert draft_vocabulary(tokens, 16, 2).tolist() == [3, 5]  # 9 is prompt-only
+    assert draft_vocabulary(tokens, 16, 4).tolist() == [0, 3, 5, 7]  # topped up with unused ids
 
 
 def test_checkpoint_round_trip_is_exact(setup, tmp_path):

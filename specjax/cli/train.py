@@ -4,7 +4,8 @@
         --steps 2000 --batch-size 8 --out runs/eagle3 [--resume]
 
 OUT holds the data, the orbax checkpoints and drafter.json (`specjax.train.trainer`); load the
-result with `specjax generate --draft eagle3:OUT` (likewise mtp, medusa, dflash, dspark).
+result with `specjax generate --draft eagle3:OUT` (likewise every kind of
+`specjax.drafters.learned.registry.KINDS`, whose records also declare the head options).
 Registered by `specjax.cli.main.build_parser`; heavy imports happen inside the command.
 """
 from __future__ import annotations
@@ -21,25 +22,32 @@ from specjax.cli.options import (
     finite_float_above,
     int_at_least,
 )
+from specjax.drafters.learned.kind import HeadOption
+from specjax.drafters.learned.registry import KINDS, get_kind, make_head_config, option_flags
 from specjax.prompt_io import read_prompts
 
-KINDS = ("eagle3", "mtp", "medusa", "dflash", "dspark")
 
-#: CLI option -> head config field, per kind (unset options keep the config's defaults)
-HEAD_OPTIONS = {
-    "eagle3": {"depth": "ttt_steps", "draft_vocab": "draft_vocab_size"},
-    "mtp": {"depth": "ttt_steps"},
-    "medusa": {"depth": "num_heads"},
-    "dflash": {"block_size": "block_size", "draft_layers": "num_draft_layers"},
-    "dspark": {"block_size": "block_size", "draft_layers": "num_draft_layers"},
-}
+def option_help(takers: list[tuple[str, HeadOption]]) -> str:
+    """"eagle3/mtp: training-time-test steps; medusa: heads": the kinds taking a head option,
+    grouped by what it means for them."""
+    meanings: dict[str, list[str]] = {}
+    for kind, option in takers:
+        meanings.setdefault(option.help, []).append(kind)
+    return "; ".join(f"{'/'.join(kinds)}: {meaning}" for meaning, kinds in meanings.items())
+
+
+def add_head_options(p) -> None:
+    """One `--FLAG N` per head option of the kinds (unset: the head config's default)."""
+    for flag, takers in option_flags().items():
+        minimum = max(option.minimum for _, option in takers)
+        p.add_argument(f"--{flag}", type=int_at_least(minimum), help=option_help(takers))
 
 
 def add_parser(sub) -> None:
     p = add_subcommand(sub, "train-drafter", "train a learned drafter on the target's own outputs")
     add_model_args(p)
     add_renamed_option(p, "--target", "--model", dest="model")
-    p.add_argument("--kind", required=True, choices=KINDS, help="the drafter head to train")
+    p.add_argument("--kind", required=True, choices=list(KINDS), help="the drafter head to train")
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files")
     p.add_argument("--steps", type=int_at_least(1), required=True, help="optimizer steps")
     p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
@@ -66,25 +74,21 @@ def add_parser(sub) -> None:
                    help="sampling temperature of the data generation; 0 is greedy")
     p.add_argument("--no-chat", action="store_true",
                    help="encode prompts as plain text, without the model's chat template")
-    p.add_argument("--depth", type=int_at_least(1),
-                   help="eagle3/mtp: training-time-test steps; medusa: heads")
-    p.add_argument("--draft-vocab", type=int_at_least(1),
-                   help="eagle3: reduced draft vocabulary size (at most the target's)")
-    p.add_argument("--block-size", type=int_at_least(2), help="dflash/dspark: block size")
-    p.add_argument("--draft-layers", type=int_at_least(1), help="dflash/dspark: draft decoder layers")
+    add_head_options(p)
     p.set_defaults(func=cmd_train_drafter)
 
 
 def head_options(args) -> dict:
-    return {field: getattr(args, opt) for opt, field in HEAD_OPTIONS[args.kind].items()
-            if getattr(args, opt) is not None}
+    """{head config field: value} of the head options given for --kind."""
+    return {option.field: getattr(args, option.dest) for option in get_kind(args.kind).options
+            if getattr(args, option.dest) is not None}
 
 
 def check_options(args) -> None:
     """Checks across options (each option's own range is its argparse type's)."""
-    foreign = sorted({opt for opts in HEAD_OPTIONS.values() for opt in opts}
-                     - set(HEAD_OPTIONS[args.kind]))
-    given = [f"--{opt.replace('_', '-')}" for opt in foreign if getattr(args, opt) is not None]
+    own = {option.flag for option in get_kind(args.kind).options}
+    given = [f"--{flag}" for flag in option_flags()
+             if flag not in own and getattr(args, flag.replace("-", "_")) is not None]
     if given:
         raise InputError(f"{', '.join(given)} does not apply to --kind {args.kind}")
     if args.warmup >= args.steps:
@@ -111,10 +115,12 @@ def check_out_folder(out: Path, resume: bool) -> None:
 
 
 def check_against_target(args, cfg) -> None:
-    """Checks that need the loaded target's config."""
-    if args.draft_vocab is not None and args.draft_vocab > cfg.vocab_size:
-        raise InputError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary "
-                         f"({cfg.vocab_size})")
+    """The head options make a head for the loaded target (e.g. --draft-vocab at most its
+    vocabulary), checked before the data is generated."""
+    try:
+        make_head_config(args.kind, cfg, **head_options(args))
+    except ValueError as e:
+        raise InputError(f"--kind {args.kind} for {cfg.name}: {e}") from None
 
 
 def cmd_train_drafter(args) -> int:

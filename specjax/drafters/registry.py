@@ -10,6 +10,7 @@ Specs (`NAME` or `NAME:ARG`):
     forced:PROFILE                     measurement only, not lossless (`drafters.forced`)
     eagle3:DIR | mtp:DIR | medusa:DIR  a learned head trained by `specjax train-drafter` (DIR
     dflash:DIR | dspark:DIR            = its output), or an upstream EAGLE-3 / DFlash HF folder
+                                       (the kinds of `drafters.learned.registry.KINDS`)
 
 Other drafters join with `@register("name")` on a factory `(arg, DraftContext) -> (drafter,
 drafter params)`.
@@ -20,6 +21,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from specjax.drafters.learned.checkpoint import load_learned_drafter
+from specjax.drafters.learned.registry import KINDS as LEARNED_KINDS
 from specjax.models.config import ModelConfig
 from specjax.tree import TreeSpec
 
@@ -212,12 +215,10 @@ def check_tokenizers(draft, target, label: str) -> None:
 
 def _learned(kind: str) -> Factory:
     def factory(arg: str, ctx: DraftContext):
-        from specjax.drafters.learned import load_learned_drafter
-
         return load_learned_drafter(kind, arg, ctx.tree, ctx.target_cfg, ctx.target_params)
 
     return factory
 
 
-for _kind in ("eagle3", "mtp", "medusa", "dflash", "dspark"):
+for _kind in LEARNED_KINDS:
     register(_kind, _check_given(f"{_kind}:DIR"))(_learned(_kind))

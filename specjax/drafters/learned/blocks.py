@@ -1,8 +1,8 @@
-"""Building blocks shared by the learned draft heads (EAGLE-3, MTP, Medusa, DFlash, DSpark).
+"""Flax building blocks shared by the learned draft heads (EAGLE-3, MTP, Medusa, DFlash, DSpark).
 
 A draft head is a small Flax module that runs beside a frozen Llama-family target. It reads
 the target's hidden states (`ForwardOutput.layer_hidden`) and reuses the target's embedding
-table, final norm and LM head through `TargetParts` (views of the target's params, never
+table, final norm and LM head through `TargetView` (views of the target's params, never
 trained, never saved with the head).
 
 Layer dimensions of every head are a `ModelConfig` (`layer_config`), so the head layers reuse
@@ -11,6 +11,10 @@ the target's RoPE tables, RMSNorm, MLP and dense initialisers from `models/llama
 `attention` is the one attention routine of all heads: queries against several key/value
 *parts* (a KV cache, the block's own keys, draft-tree nodes, ...), each with its own boolean
 mask, under ONE softmax in f32 (no concatenated K/V is materialised).
+
+Also here: the output-side init from the target (`calibrated_norm`, `output_norm_from_target`)
+and the Hugging Face names of a `HeadLayer`'s tensors (`hf_layer_names`, `layer_from_hf`,
+`layer_to_hf`), which the kinds' upstream layouts are built from.
 """
 from __future__ import annotations
 
@@ -198,24 +202,6 @@ def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
     return tuple(round(start + i * (end - start) / (count - 1)) for i in range(count))
 
 
-# ---------------------------------------------------------------------------------------------
-# Sequential heads (EAGLE-3, MTP): the training-time-test unroll
-# ---------------------------------------------------------------------------------------------
-
-
-def sequential_model(head_cfg) -> nn.Module:
-    """The Flax module of a sequential head config (EAGLE-3 or MTP)."""
-    if head_cfg.kind == "eagle3":
-        from specjax.models.eagle3 import Eagle3Model
-
-        return Eagle3Model(head_cfg)
-    if head_cfg.kind == "mtp":
-        from specjax.models.mtp import MTPModel
-
-        return MTPModel(head_cfg)
-    raise ValueError(f"not a sequential head: {head_cfg.kind!r}")
-
-
 def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
     """`x[:, t + k]` along axis 1 (`[B, T, ...]`), `fill` past the end."""
     if k == 0:
@@ -224,134 +210,89 @@ def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
     return jnp.concatenate([x[:, k:], pad], axis=1)
 
 
-def ttt_unroll(model: nn.Module, variables: Params, features: jax.Array, embed, tokens: jax.Array,
-               steps: int) -> list[jax.Array]:
-    """Training-time test of a sequential head over whole sequences: `steps` draft steps.
+# ---------------------------------------------------------------------------------------------
+# Output side from the target: heads that end in a norm start from the target's
+# ---------------------------------------------------------------------------------------------
 
-    features `[B, T, H]`: fused target features f_t; tokens `[B, T]`; embed: tokens -> `[B, T, H]`.
-    Step k at index t stands for the draft entry at position t + k of a drafting round that
-    started after position t: its token input is x_{t+1+k}, its feature the step-(k-1) output
-    at index t (f_t for k = 0), and it attends to the step-0 entries at indices <= t (the
-    committed, target-featured prefix) plus its own earlier steps at index t -- exactly the
-    keys the drafter sees at inference. Step k's output predicts x_{t+k+2}.
-    Returns the output hidden states `[B, T, H]` of each step.
-    """
-    seq = tokens.shape[1]
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), tokens.shape)
-    keys: list[tuple[jax.Array, jax.Array]] = []
-    outs = []
-    feature = features
-    for k in range(steps):
-        emb = embed(shift_left(tokens, k + 1))
-        q, kk, vv, residual = model.apply(variables, feature, emb, positions + k, method="cell_qkv")
-        keys.append((kk, vv))
-        parts = [(keys[0][0], keys[0][1], causal(seq))]
-        parts += [(kj, vj, diagonal(seq)) for kj, vj in keys[1:]]
-        feature = model.apply(variables, attention(q, parts), residual, method="cell_finish")
-        outs.append(feature)
-    return outs
+
+def target_lm_head(target: ModelConfig, target_params: Params) -> jax.Array:
+    """The target's LM head as a kernel `[H, V]` (the embedding's transpose when tied)."""
+    p = target_params["params"]
+    return p["embed_tokens"]["embedding"].T if target.tie_word_embeddings else p["lm_head"]["kernel"]
+
+
+def calibrated_norm(target_params: Params, head_weight: jax.Array) -> dict:
+    """`{"scale": [H]}`: the target's final-norm profile, rescaled so a random unit-RMS hidden
+    state gives logits of std ~1 through head_weight `[H, V']` (an untrained head then
+    predicts a near-uniform distribution instead of a confidently wrong one)."""
+    target_scale = target_params["params"]["norm"]["scale"]
+    scale = jnp.asarray(target_scale, jnp.float32)
+    spread = jnp.sqrt(jnp.sum(scale**2 * jnp.mean(jnp.asarray(head_weight, jnp.float32) ** 2, axis=1)))
+    return {"scale": (scale / jnp.maximum(spread, 1e-6)).astype(target_scale.dtype)}
+
+
+def output_norm_from_target(norm_name: str, head_cfg, variables: dict, target_params: Params) -> dict:
+    """Variables with the norm `norm_name` in front of the target's LM head calibrated from the
+    target (`calibrated_norm`); use as `functools.partial(output_norm_from_target, "norm")`."""
+    norm = calibrated_norm(target_params, target_lm_head(head_cfg.target, target_params))
+    return {**variables, "params": {**variables["params"], norm_name: norm}}
 
 
 # ---------------------------------------------------------------------------------------------
-# Head configs: construction by kind, JSON round trip, random init
+# Hugging Face names of a HeadLayer (upstream layouts: `hf.py` and the kinds' `UpstreamLayout`)
 # ---------------------------------------------------------------------------------------------
 
-KINDS = ("eagle3", "mtp", "medusa", "dflash", "dspark")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _config_class(kind: str):
-    if kind == "eagle3":
-        from specjax.models.eagle3 import Eagle3Config
-
-        return Eagle3Config
-    if kind in ("mtp", "medusa"):
-        from specjax.models import mtp
-
-        return mtp.MTPConfig if kind == "mtp" else mtp.MedusaConfig
-    if kind in ("dflash", "dspark"):
-        from specjax.models import dflash, dspark
-
-        return dflash.DFlashConfig if kind == "dflash" else dspark.DSparkConfig
-    raise ValueError(f"unknown drafter kind {kind!r}; choose from {KINDS}")
-
-
-def make_head_config(kind: str, target: ModelConfig, **options):
-    """A head config of `kind` for `target` (options: the config class's `for_target` args)."""
-    return _config_class(kind).for_target(target, **options)
-
-
-def _model_config_from_dict(d: dict) -> ModelConfig:
-    from specjax.models.config import RopeScaling
-
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-    return ModelConfig(**d)
-
-
-def head_config_to_dict(head_cfg) -> dict:
-    """JSON-able description of a head config (the target itself is not stored)."""
-    out = {}
-    for f in dataclasses.fields(head_cfg):
-        value = getattr(head_cfg, f.name)
-        if f.name == "target":
-            out["target_name"] = value.name
-            continue
-        out[f.name] = dataclasses.asdict(value) if isinstance(value, ModelConfig) else value
+def hf_layer_names(prefix: str, path: tuple[str, ...], cfg: ModelConfig):
+    """[(HF name, param path, transpose)] of a HeadLayer at `path` (attention, q/k norm, MLP,
+    post-attention norm); prefix e.g. "midlayer." or "layers.0."."""
+    out = [(f"{prefix}self_attn.{p}.weight", path + (p, "kernel"), True) for p in _ATTN]
+    if cfg.attention_bias:
+        out += [(f"{prefix}self_attn.{p}.bias", path + (p, "bias"), False) for p in _ATTN[:3]]
+    if cfg.qk_norm:
+        out += [(f"{prefix}self_attn.{n}.weight", path + (n, "scale"), False) for n in ("q_norm", "k_norm")]
+    out += [(f"{prefix}mlp.{p}.weight", path + ("mlp", p, "kernel"), True) for p in _MLP]
+    out.append((f"{prefix}post_attention_layernorm.weight", path + ("post_attention_layernorm", "scale"), False))
     return out
 
 
-def head_config_from_dict(d: dict, target: ModelConfig):
-    """Inverse of head_config_to_dict for the given target config."""
-    cls = _config_class(d["kind"])
-    kwargs = {"target": target}
-    for f in dataclasses.fields(cls):
-        if f.name == "target" or f.name not in d:
-            continue
-        value = d[f.name]
-        if isinstance(value, dict) and "hidden_size" in value:
-            value = _model_config_from_dict(value).replace(dtype=target.dtype,
-                                                           attention_impl=target.attention_impl)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+def layer_from_hf(config: dict, target: ModelConfig, num_layers: int, **overrides) -> ModelConfig:
+    """A head's layer dims from an upstream config.json (missing fields: the target's); a
+    hidden size other than the target's -> ValueError (trained for another target)."""
+    hidden = int(config.get("hidden_size", target.hidden_size))
+    if hidden != target.hidden_size:
+        raise ValueError(f"the draft head's hidden_size {hidden} differs from the target's "
+                         f"{target.hidden_size}: it was trained for another target")
+    heads = int(config.get("num_attention_heads", target.num_heads))
+    return layer_config(
+        target, num_layers,
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate_size=int(config.get("intermediate_size", target.intermediate_size)),
+        rms_norm_eps=float(config.get("rms_norm_eps", target.rms_norm_eps)),
+        rope_theta=float(config.get("rope_theta", target.rope_theta)),
+        attention_bias=bool(config.get("attention_bias", False)),
+        **overrides,
+    )
 
 
-def init_from_target(head_cfg, variables, target_params):
-    """Variables whose output side starts from the target's: the output norm of heads that
-    feed the target's LM head (MTP, DFlash, DSpark), and EAGLE-3's norm + draft LM head (the
-    target head's rows of the draft vocabulary). The norm keeps the target's per-dimension
-    profile, rescaled so a random unit-RMS hidden state gives logits of std ~1 (an untrained
-    head then predicts a near-uniform distribution instead of a confidently wrong one)."""
-    target = head_cfg.target
-    p = target_params["params"]
-    params = dict(variables["params"])
-    head_weight = p["embed_tokens"]["embedding"].T if target.tie_word_embeddings else p["lm_head"]["kernel"]
-    if head_cfg.kind == "eagle3":
-        head_weight = head_weight[:, variables["consts"]["draft_to_target"]]
-        params["lm_head"] = {"kernel": jnp.asarray(head_weight, params["lm_head"]["kernel"].dtype)}
-    scale = jnp.asarray(p["norm"]["scale"], jnp.float32)
-    spread = jnp.sqrt(jnp.sum(scale**2 * jnp.mean(jnp.asarray(head_weight, jnp.float32) ** 2, axis=1)))
-    norm = {"scale": (scale / jnp.maximum(spread, 1e-6)).astype(p["norm"]["scale"].dtype)}
-    if head_cfg.kind in ("dflash", "dspark", "eagle3"):
-        params["norm"] = norm
-    elif head_cfg.kind == "mtp":
-        params["shared_norm"] = norm
-    return {**variables, "params": params}
-
-
-def init_head(head_cfg, key: jax.Array, consts: dict | None = None):
-    """Random variables `{"params", "consts"}` of any head config (consts: overrides)."""
-    if head_cfg.kind == "eagle3":
-        from specjax.models.eagle3 import init_eagle3
-
-        return init_eagle3(head_cfg, key, **(consts or {}))
-    if head_cfg.kind in ("mtp", "medusa"):
-        from specjax.models.mtp import init_mtp_family
-
-        return init_mtp_family(head_cfg, key)
-    from specjax.models.dflash import init_block_head
-
-    return init_block_head(head_cfg, key, consts)
+def layer_to_hf(layer: ModelConfig, target: ModelConfig) -> dict:
+    """The config.json fields of a head's layer dims (what `layer_from_hf` reads, plus the
+    Llama fields transformers' LlamaConfig and upstream loaders expect)."""
+    scaling = layer.rope_scaling and {**dataclasses.asdict(layer.rope_scaling), "rope_type": "llama3"}
+    return {
+        "model_type": "llama", "hidden_act": "silu", "torch_dtype": "float32",
+        "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+        "num_attention_heads": layer.num_heads, "num_key_value_heads": layer.num_kv_heads,
+        "head_dim": layer.head_dim, "num_hidden_layers": layer.num_layers,
+        "rms_norm_eps": layer.rms_norm_eps, "rope_theta": layer.rope_theta,
+        "rope_scaling": scaling or None, "attention_bias": layer.attention_bias,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "vocab_size": target.vocab_size, "tie_word_embeddings": False,
+        "bos_token_id": target.bos_token_id, "eos_token_id": list(target.eos_token_ids) or None,
+        "pad_token_id": target.pad_token_id,
+    }

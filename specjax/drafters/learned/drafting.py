@@ -1,4 +1,4 @@
-"""Machinery shared by the learned drafters (EAGLE-3, MTP, Medusa, DFlash, DSpark).
+"""Drafting machinery shared by the learned drafters (EAGLE-3, MTP, Medusa, DFlash, DSpark).
 
 - `draft_levels`: lays a drafter's distributions out on a static TreeSpec, level by level,
   drawing children with the draft-model drafter's `draw_children` (processed with the run's
@@ -9,6 +9,8 @@
   target features a drafter ingests after each step.
 - `path_log_probs` / `prefix_valid`: per-node validity from path scores (dynamic pruning
   inside the static node budget; invalid nodes are never accepted).
+- `drafter_params`, `check_head_target`: the params pytree every learned drafter takes, and the
+  check that a head was built for the target it drafts for.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.draft_model import draw_children, tree_levels
-from specjax.models.finite import check_tree_finite
+from specjax.drafters.learned.blocks import TargetView
 from specjax.rng import split_rows
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
@@ -94,40 +96,10 @@ def gather_tokens(tokens: jax.Array, start: jax.Array, count: int) -> jax.Array:
     return jnp.take_along_axis(tokens, idx, axis=1)
 
 
-def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    """`x[b, index[b]]` for x `[B, T, ...]`, index `[B]` -> `[B, ...]`."""
-    idx = index.reshape(index.shape + (1,) * (x.ndim - 1))
-    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
-
-
 def drafter_params(head_variables, target_params, head_cfg) -> dict:
     """The params pytree every learned drafter takes: `{"head": its variables, "target": the
     target's embedding / norm / LM head (views of target_params, not copies)}`."""
-    from specjax.models.heads import TargetView
-
     return {"head": head_variables, "target": TargetView(head_cfg.target).parts(target_params)}
-
-
-def make_learned_drafter(head_cfg, tree: TreeSpec, **options):
-    """The drafter of a head config (by its kind) over a static tree."""
-    kind = head_cfg.kind
-    if kind in ("eagle3", "mtp"):
-        from specjax.drafters.eagle3 import SequentialDrafter
-
-        return SequentialDrafter(tree=tree, head=head_cfg, **options)
-    if kind == "medusa":
-        from specjax.drafters.mtp import MedusaDrafter
-
-        return MedusaDrafter(tree=tree, head=head_cfg, **options)
-    if kind == "dflash":
-        from specjax.drafters.dflash import BlockDrafter
-
-        return BlockDrafter(tree=tree, head=head_cfg, **options)
-    if kind == "dspark":
-        from specjax.drafters.dspark import DSparkDrafter
-
-        return DSparkDrafter(tree=tree, head=head_cfg, **options)
-    raise ValueError(f"unknown learned drafter kind {kind!r}")
 
 
 def check_head_target(head_cfg, target_cfg) -> None:
@@ -140,31 +112,3 @@ def check_head_target(head_cfg, target_cfg) -> None:
                 f"{getattr(ours, field)}, this target ({target_cfg.name!r}) has "
                 f"{getattr(target_cfg, field)}"
             )
-
-
-def load_learned_drafter(kind: str, folder: str, tree: TreeSpec, target_cfg, target_params):
-    """(drafter, drafter params) of a learned head in `folder`: a `specjax train-drafter`
-    output (drafter.json + orbax checkpoints; latest step) or, for eagle3 / dflash, an upstream
-    Hugging Face folder (config.json + *.safetensors). A weight holding NaN / Inf is refused
-    (CheckpointError naming the folder and the tensor)."""
-    from pathlib import Path
-
-    path = Path(folder)
-    if not folder or not path.is_dir():
-        raise ValueError(f"{kind}:DIR needs a folder with a trained drafter, got {folder!r}")
-    if target_params is None:
-        raise ValueError(f"{kind} drafts with the target's embedding/head: pass the target's params")
-    if (path / "drafter.json").exists():
-        from specjax.train.trainer import load_trained
-
-        head_cfg, variables = load_trained(path, target_cfg)
-        check_tree_finite(variables["params"], path / "checkpoints")
-        if head_cfg.kind != kind:
-            raise ValueError(f"{folder} holds a {head_cfg.kind} drafter, not {kind}")
-    elif (path / "config.json").exists():
-        from specjax.models.upstream import load_upstream
-
-        head_cfg, variables = load_upstream(kind, path, target_cfg)
-    else:
-        raise ValueError(f"{folder}: neither drafter.json (specjax) nor config.json (upstream)")
-    return make_learned_drafter(head_cfg, tree), drafter_params(variables, target_params, head_cfg)

@@ -11,7 +11,24 @@ Data flow for the draft entry at position t (inference and training alike):
 The draft vocabulary is the Vd most frequent target tokens of the training data;
 `consts/draft_to_target` `[Vd]` int32 maps draft ids to target ids (identity when Vd = V).
 The embedding is the target's (frozen). Sequential heads share this *cell* protocol with MTP
-(`models/mtp.py`): `features`, `cell_qkv`, `cell_finish`, `draft_logits`, `logits`.
+(`mtp.py`): `features`, `cell_qkv`, `cell_finish`, `draft_logits`, `logits`; drafting and the
+training-time-test unroll are `sequential.py`'s.
+
+Loss (`eagle3_loss`): training-time test over `ttt_steps` steps; step k at index t is scored
+against the target's distribution for token t+k+2 restricted to the draft vocabulary (soft
+cross-entropy; positions whose target token -- the data's, i.e. the target's own greedy choice
+-- is outside the draft vocabulary are skipped), weighted loss_decay ** k.
+
+Upstream layout (SafeAILab/EAGLE `eagle/traineagle3/cnets.py`; SpecForge / SGLang / vLLM
+`LlamaForCausalLMEagle3` configs), imported and exported as "eagle3-hf":
+  fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight;
+  midlayer.self_attn.{q,k,v,o}_proj.weight (q/k/v read 2H); midlayer.mlp.{gate,up,down}_proj;
+  norm.weight; lm_head.weight [Vd, H]; d2t [Vd] (target id = draft id + d2t[draft id]); t2d [V]
+  bool (exported; ignored on import). config.json: the Llama fields of the layer (model_type
+  "llama", hidden_act, torch_dtype, hidden_size, intermediate_size, num_attention_heads,
+  num_key_value_heads, head_dim, rms_norm_eps, rope_theta, rope_scaling, vocab_size, ...),
+  draft_vocab_size, and eagle_config.eagle_aux_hidden_state_layer_ids: ids of the decoder
+  layers whose *input* is taken, i.e. our feature layer = id - 1.
 """
 from __future__ import annotations
 
@@ -20,9 +37,30 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax.drafters.learned.blocks import (
+    HeadLayer,
+    TargetView,
+    attention,
+    calibrated_norm,
+    causal,
+    hf_layer_names,
+    layer_config,
+    layer_from_hf,
+    layer_to_hf,
+    shift_left,
+    target_lm_head,
+)
+from specjax.drafters.learned.kind import HeadKind, HeadOption, TensorNames, UpstreamLayout
+from specjax.drafters.learned.objectives import (
+    decayed_sum,
+    label_mask,
+    masked_mean,
+    soft_cross_entropy,
+)
+from specjax.drafters.learned.sequential import SequentialDrafter, init_sequential, training_unroll
 from specjax.models.config import ModelConfig
-from specjax.models.heads import HeadLayer, attention, causal, layer_config
 from specjax.models.llama import RMSNorm, _dense
 
 NEG_INF = -jnp.inf
@@ -64,6 +102,11 @@ class Eagle3Config:
             draft_vocab_size=int(draft_vocab_size or target.vocab_size),
             **kwargs,
         )
+
+    def __post_init__(self):
+        if not 0 < self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in "
+                             f"[1, {self.target.vocab_size}] (the target's vocabulary)")
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -126,29 +169,134 @@ class Eagle3Model(nn.Module):
         return self.logits(out)
 
 
-def init_sequential(model: nn.Module, cfg, key: jax.Array, consts: dict | None = None):
-    """Variables `{"params", "consts"}` of a sequential head (EAGLE-3 or MTP) with random params.
-
-    consts: optional overrides of the "consts" collection (e.g. draft_to_target).
-    """
-    t = cfg.target
-    hidden = jnp.zeros((1, 1, t.hidden_size), t.jnp_dtype)
-    layer_hidden = tuple(hidden for _ in cfg.hidden_layers)
-    positions = jnp.zeros((1, 1), jnp.int32)
-    variables = model.init(key, layer_hidden, hidden, positions)
-    variables = dict(variables)
-    variables.setdefault("consts", {})
-    if consts:
-        variables["consts"] = {**variables["consts"], **consts}
-    return variables
-
-
-def init_eagle3(cfg: Eagle3Config, key: jax.Array, draft_to_target=None):
-    """Random EAGLE-3 head variables; draft_to_target `[Vd]` target ids (sorted) when reduced."""
-    consts = None
-    if draft_to_target is not None:
-        ids = jnp.asarray(draft_to_target, jnp.int32)
+def init_eagle3(cfg: Eagle3Config, key: jax.Array, consts: dict | None = None):
+    """Random EAGLE-3 head variables; consts["draft_to_target"] `[Vd]` target ids (sorted)
+    when the vocabulary is reduced."""
+    if consts and "draft_to_target" in consts:
+        ids = jnp.asarray(consts["draft_to_target"], jnp.int32)
         if ids.shape != (cfg.draft_vocab_size,):
             raise ValueError(f"draft_to_target has shape {ids.shape}, want ({cfg.draft_vocab_size},)")
-        consts = {"draft_to_target": ids}
+        consts = {**consts, "draft_to_target": ids}
     return init_sequential(Eagle3Model(cfg), cfg, key, consts)
+
+
+def init_from_target(cfg: Eagle3Config, variables, target_params):
+    """The draft LM head starts as the target head's columns of the draft vocabulary, and the
+    norm before it from the target's (`calibrated_norm`)."""
+    head_weight = target_lm_head(cfg.target, target_params)[:, variables["consts"]["draft_to_target"]]
+    params = dict(variables["params"])
+    params["lm_head"] = {"kernel": jnp.asarray(head_weight, params["lm_head"]["kernel"].dtype)}
+    params["norm"] = calibrated_norm(target_params, head_weight)
+    return {**variables, "params": params}
+
+
+def draft_vocabulary(response_tokens: np.ndarray, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """`[Vd]` sorted target ids: the Vd most frequent of the response tokens `[N]` (ties: lower
+    id), topped up with the lowest unused ids when the data has fewer distinct tokens."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    counts = np.bincount(response_tokens, minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    return np.sort(order[:draft_vocab_size]).astype(np.int32)
+
+
+def consts_from_data(cfg: Eagle3Config, response_tokens: np.ndarray) -> dict | None:
+    """A reduced vocabulary is the training data's most frequent response tokens."""
+    if not cfg.reduced_vocab:
+        return None
+    return {"draft_to_target": draft_vocabulary(response_tokens, cfg.target.vocab_size,
+                                                cfg.draft_vocab_size)}
+
+
+def eagle3_loss(head_cfg: Eagle3Config, variables, parts, tout, batch, key):
+    del key
+    model = Eagle3Model(head_cfg)
+    outs = training_unroll(model, head_cfg, variables, parts, tout, batch)
+    d2t = variables["consts"]["draft_to_target"]
+    in_draft = jnp.zeros((head_cfg.target.vocab_size,), bool).at[d2t].set(True)
+    # the target's distribution over the draft vocabulary at every position `[B, T, Vd]`
+    target_d = TargetView(head_cfg.target).logits_subset(parts, tout.hidden, d2t)
+    losses, metrics = [], {}
+    for k, out in enumerate(outs):
+        logits = model.apply(variables, out, method="draft_logits")  # [B, T, Vd]
+        target_p = jax.nn.softmax(shift_left(target_d, k + 1), axis=-1)  # token t + k + 2
+        # positions whose target token (the data token: the target's own greedy output) lies
+        # outside the draft vocabulary are skipped, as upstream
+        labels = shift_left(batch["tokens"], k + 2)
+        mask = label_mask(batch, k + 2) & in_draft[labels]
+        losses.append(masked_mean(soft_cross_entropy(logits, target_p), mask))
+        hit = jnp.argmax(logits, -1) == jnp.argmax(target_p, -1)
+        metrics[f"acc{k}"] = masked_mean(hit, mask)
+    return decayed_sum(losses, head_cfg.loss_decay), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(SequentialDrafter):
+    module_class = Eagle3Model
+
+
+# ---- upstream layout ("eagle3-hf") -----------------------------------------------------------
+
+
+def tensor_names(cfg: Eagle3Config) -> TensorNames:
+    return [
+        ("fc.weight", ("fc", "kernel"), True),
+        ("midlayer.input_layernorm.weight", ("input_layernorm", "scale"), False),
+        ("midlayer.hidden_norm.weight", ("hidden_norm", "scale"), False),
+        *hf_layer_names("midlayer.", ("layer",), cfg.layer),
+        ("norm.weight", ("norm", "scale"), False),
+        ("lm_head.weight", ("lm_head", "kernel"), True),
+    ]
+
+
+def config_from_hf(config: dict, target: ModelConfig) -> Eagle3Config:
+    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and min(aux) < 1:
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {aux}: id 0 (embeddings) is not supported")
+    head = Eagle3Config.for_target(
+        target, draft_vocab_size=int(config.get("draft_vocab_size", target.vocab_size)),
+        feature_layers=tuple(i - 1 for i in aux) if aux else None,
+    )
+    return dataclasses.replace(head, layer=layer_from_hf(config, target, 1))
+
+
+def config_to_hf(cfg: Eagle3Config) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], **layer_to_hf(cfg.layer, cfg.target),
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.feature_layers]},
+    }
+
+
+def consts_from_tensors(cfg: Eagle3Config, tensors: dict[str, np.ndarray]) -> dict:
+    """d2t `[Vd]` (target id - draft id) -> draft_to_target; absent: the identity."""
+    if "d2t" not in tensors:
+        return {}
+    d2t = np.asarray(tensors["d2t"], np.int64)
+    return {"draft_to_target": jnp.asarray(np.arange(len(d2t)) + d2t, jnp.int32)}
+
+
+def tensors_from_consts(cfg: Eagle3Config, variables) -> dict[str, np.ndarray]:
+    """d2t `[Vd]` int64 and t2d `[V]` bool (which target ids are in the draft vocabulary)."""
+    ids = np.asarray(variables["consts"]["draft_to_target"], np.int64)
+    t2d = np.zeros(cfg.target.vocab_size, bool)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
+
+
+KIND = HeadKind(
+    name="eagle3",
+    summary="EAGLE-3: fused low/mid/high target features + one decoder layer, reduced vocabulary",
+    config=Eagle3Config,
+    model=Eagle3Model,
+    init=init_eagle3,
+    loss=eagle3_loss,
+    drafter=Eagle3Drafter,
+    options=(HeadOption("depth", "ttt_steps", 1, "training-time-test steps"),
+             HeadOption("draft-vocab", "draft_vocab_size", 1,
+                        "reduced draft vocabulary size (at most the target's)")),
+    init_from_target=init_from_target,
+    consts_from_data=consts_from_data,
+    upstream=UpstreamLayout("eagle3-hf", tensor_names, config_from_hf, config_to_hf,
+                            consts_from_tensors, tensors_from_consts),
+)

@@ -1,6 +1,6 @@
-"""MTP (DeepSeek-style multi-token prediction) and Medusa heads on a frozen target.
+"""MTP (DeepSeek-style multi-token prediction) head on a frozen target.
 
-MTP: one module, reused cyclically for every draft depth. For the entry at position t with
+One module, reused cyclically for every draft depth. For the entry at position t with
 feature h_t (the target's last-layer output, or the module's own previous output) and the
 next token x_{t+1}:
 
@@ -9,25 +9,31 @@ next token x_{t+1}:
     logits = target_lm_head(shared_norm(o_t))  -> predicts x_{t+2}
 
 It follows the same cell protocol as EAGLE-3 (`features`, `cell_qkv`, `cell_finish`, `logits`)
-so drafting and the training-time-test unroll are shared (`drafters/eagle3.py`,
-`heads.ttt_unroll`); the loss is a per-depth hard cross-entropy (`losses.mtp_loss`).
-
-Medusa: K independent heads on the target's final (normalised) hidden state h_t; head k is
-`num_layers` residual blocks x + SiLU(W x + b) (zero-initialised, so an untrained head
-repeats the target's own next-token distribution) followed by the target's LM head, and
-predicts x_{t+k+2}.
+so drafting and the training-time-test unroll are shared (`sequential.py`). Loss (`mtp_loss`):
+the same unroll, hard cross-entropy per depth on the data tokens (the target's own greedy
+outputs), weights loss_decay ** k.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.learned.blocks import (
+    HeadLayer,
+    TargetView,
+    attention,
+    causal,
+    layer_config,
+    output_norm_from_target,
+)
+from specjax.drafters.learned.kind import HeadKind, HeadOption
+from specjax.drafters.learned.objectives import decayed_sum, depth_losses
+from specjax.drafters.learned.sequential import SequentialDrafter, init_sequential, training_unroll
 from specjax.models.config import ModelConfig
-from specjax.models.eagle3 import init_sequential
-from specjax.models.heads import HeadLayer, TargetView, attention, causal, layer_config
 from specjax.models.llama import RMSNorm, _dense
 
 
@@ -86,45 +92,33 @@ class MTPModel(nn.Module):
         return self.shared_norm(out)
 
 
+def init_mtp(cfg: MTPConfig, key: jax.Array, consts: dict | None = None):
+    """Random MTP head variables."""
+    return init_sequential(MTPModel(cfg), cfg, key, consts)
+
+
+def mtp_loss(head_cfg: MTPConfig, variables, parts, tout, batch, key):
+    del key
+    model = MTPModel(head_cfg)
+    outs = training_unroll(model, head_cfg, variables, parts, tout, batch)
+    logits = (model.apply(variables, out, parts, method="logits") for out in outs)  # [B, T, V]
+    losses, metrics = depth_losses(logits, batch)
+    return decayed_sum(losses, head_cfg.loss_decay), metrics
+
+
 @dataclasses.dataclass(frozen=True)
-class MedusaConfig:
-    target: ModelConfig
-    num_heads: int = 4
-    num_layers: int = 1
-    loss_decay: float = 0.8
-    kind: str = "medusa"
-
-    @classmethod
-    def for_target(cls, target: ModelConfig, **kwargs) -> MedusaConfig:
-        return cls(target=target, **kwargs)
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return ()  # reads ForwardOutput.hidden (the final normalised hidden state)
+class MTPDrafter(SequentialDrafter):
+    module_class = MTPModel
 
 
-class MedusaModel(nn.Module):
-    cfg: MedusaConfig
-
-    @nn.compact
-    def __call__(self, hidden: jax.Array) -> jax.Array:
-        """hidden `[..., H]` -> `[K, ..., H]`, head k's input to the target's LM head."""
-        c = self.cfg
-        dtype = c.target.jnp_dtype
-        outs = []
-        for k in range(c.num_heads):
-            x = hidden
-            for j in range(c.num_layers):
-                dense = nn.Dense(hidden.shape[-1], use_bias=True, dtype=dtype, param_dtype=dtype,
-                                 kernel_init=nn.initializers.zeros, name=f"head_{k}_{j}")
-                x = x + nn.silu(dense(x))
-            outs.append(x)
-        return jnp.stack(outs)
-
-
-def init_mtp_family(cfg, key: jax.Array):
-    """Random variables `{"params", "consts"}` of an MTP or Medusa head."""
-    if cfg.kind == "mtp":
-        return init_sequential(MTPModel(cfg), cfg, key)
-    hidden = jnp.zeros((1, cfg.target.hidden_size), cfg.target.jnp_dtype)
-    return {**MedusaModel(cfg).init(key, hidden), "consts": {}}
+KIND = HeadKind(
+    name="mtp",
+    summary="MTP (DeepSeek-style): one decoder layer reused for every draft depth",
+    config=MTPConfig,
+    model=MTPModel,
+    init=init_mtp,
+    loss=mtp_loss,
+    drafter=MTPDrafter,
+    options=(HeadOption("depth", "ttt_steps", 1, "training-time-test steps"),),
+    init_from_target=functools.partial(output_norm_from_target, "shared_norm"),
+)

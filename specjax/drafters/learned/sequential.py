@@ -1,6 +1,10 @@
-"""Sequential feature-level drafters: EAGLE-3 (and MTP, which shares the machinery).
+"""Sequential feature-level heads: what EAGLE-3 (`eagle3.py`) and MTP (`mtp.py`) share.
 
-The head keeps its own one-layer KV cache over the committed sequence. Draft entry t is
+A sequential head's Flax module follows the *cell* protocol: `features(layer_hidden)`,
+`cell_qkv(feature, emb, positions)`, `cell_finish(attn, residual)`, `logits(out, parts)`; its
+kind's drafter subclasses `SequentialDrafter` naming the module (`module_class`).
+
+Drafting: the head keeps its own one-layer KV cache over the committed sequence. Draft entry t is
 computed from (target feature of position t, token t + 1) and predicts token t + 2.
 
 - prefill: ingest the prompt's entries (features of positions 0..P-1, tokens 1..P, where
@@ -11,7 +15,7 @@ computed from (target feature of position t, token t + 1) and predicts token t +
 - propose: level d of the tree is drafted from the outputs of level d-1's entries; an entry
   for a depth-d node (position M + d - 1) takes its parent's output as feature and the node's
   token, and attends to the committed cache plus its ancestors' entries -- the same keys the
-  training-time test (`models.heads.ttt_unroll`) trains with. D levels cost D - 1 layer calls
+  training-time test (`ttt_unroll`) trains with. D levels cost D - 1 layer calls
   here plus one in update.
 
 Drafter params: `{"head": the head's variables, "target": TargetView.parts(target params)}`.
@@ -19,24 +23,86 @@ Drafter params: `{"head": the head's variables, "target": TargetView.parts(targe
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.learned import (
+from specjax.drafters.learned.blocks import (
+    TargetView,
+    attention,
+    causal,
+    diagonal,
+    prefix_mask,
+    shift_left,
+)
+from specjax.drafters.learned.drafting import (
     accepted_rows,
     check_head_target,
     draft_levels,
     gather_tokens,
     make_draft,
     path_log_probs,
-    take_rows,
 )
+from specjax.gather import take_rows
 from specjax.models.cache import KVCache, empty_cache, write
-from specjax.models.heads import TargetView, attention, causal, prefix_mask, sequential_model
+
+Params = Any
+
+
+def init_sequential(model: nn.Module, cfg, key: jax.Array, consts: dict | None = None):
+    """Variables `{"params", "consts"}` of a sequential head module with random params.
+
+    consts: optional overrides of the "consts" collection (e.g. draft_to_target).
+    """
+    t = cfg.target
+    hidden = jnp.zeros((1, 1, t.hidden_size), t.jnp_dtype)
+    layer_hidden = tuple(hidden for _ in cfg.hidden_layers)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    variables = dict(model.init(key, layer_hidden, hidden, positions))
+    variables["consts"] = {**variables.get("consts", {}), **(consts or {})}
+    return variables
+
+
+def ttt_unroll(model: nn.Module, variables: Params, features: jax.Array, embed, tokens: jax.Array,
+               steps: int) -> list[jax.Array]:
+    """Training-time test of a sequential head over whole sequences: `steps` draft steps.
+
+    features `[B, T, H]`: fused target features f_t; tokens `[B, T]`; embed: tokens -> `[B, T, H]`.
+    Step k at index t stands for the draft entry at position t + k of a drafting round that
+    started after position t: its token input is x_{t+1+k}, its feature the step-(k-1) output
+    at index t (f_t for k = 0), and it attends to the step-0 entries at indices <= t (the
+    committed, target-featured prefix) plus its own earlier steps at index t -- exactly the
+    keys the drafter sees at inference. Step k's output predicts x_{t+k+2}.
+    Returns the output hidden states `[B, T, H]` of each step.
+    """
+    seq = tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), tokens.shape)
+    keys: list[tuple[jax.Array, jax.Array]] = []
+    outs = []
+    feature = features
+    for k in range(steps):
+        emb = embed(shift_left(tokens, k + 1))
+        q, kk, vv, residual = model.apply(variables, feature, emb, positions + k, method="cell_qkv")
+        keys.append((kk, vv))
+        parts = [(keys[0][0], keys[0][1], causal(seq))]
+        parts += [(kj, vj, diagonal(seq)) for kj, vj in keys[1:]]
+        feature = model.apply(variables, attention(q, parts), residual, method="cell_finish")
+        outs.append(feature)
+    return outs
+
+
+def training_unroll(model: nn.Module, head_cfg, variables, parts, tout, batch) -> list[jax.Array]:
+    """`ttt_unroll` of a batch (`objectives` conventions): the head's output `[B, T, H]` of
+    each of its `ttt_steps` steps."""
+    view = TargetView(head_cfg.target)
+    features = model.apply(variables, tout.layer_hidden, method="features")
+    return ttt_unroll(model, variables, features, lambda t: view.embed(parts, t), batch["tokens"],
+                      head_cfg.ttt_steps)
 
 
 @struct.dataclass
@@ -47,13 +113,15 @@ class SequentialState:
 
 @dataclasses.dataclass(frozen=True)
 class SequentialDrafter(Drafter):
-    """EAGLE-3 / MTP drafting over a chain or a static tree.
+    """Drafting with a sequential head over a chain or a static tree (a kind's subclass sets
+    `module_class`, its Flax module).
 
     min_path_prob: dynamic pruning inside the static node budget -- a node whose path
       probability under the head (temperature 1) is below it is marked invalid (0 = off).
     """
 
-    head: object = None  # Eagle3Config | MTPConfig
+    module_class: ClassVar[type[nn.Module]]
+    head: object = None  # the kind's head config (Eagle3Config, MTPConfig)
     min_path_prob: float = 0.0
 
     def __post_init__(self):
@@ -70,8 +138,8 @@ class SequentialDrafter(Drafter):
         check_head_target(self.head, target_cfg)
 
     @property
-    def model(self):
-        return sequential_model(self.head)
+    def model(self) -> nn.Module:
+        return self.module_class(self.head)
 
     @property
     def view(self) -> TargetView:

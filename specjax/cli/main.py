@@ -7,11 +7,11 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from specjax.cli import bench, generate, profile, train, tune
+from specjax.cli import bench, export, generate, profile, train, tune
 from specjax.cli.options import HelpFormatter
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
-SUBCOMMANDS = (generate, bench, profile, tune, train)
+SUBCOMMANDS = (generate, bench, profile, tune, train, export)
 
 
 def fail(message: str) -> int:

@@ -111,7 +111,7 @@ def test_cli_train_drafter_then_generate_with_it(tmp_path):
     OUT), then `generate --draft eagle3:OUT` reproduces plain greedy output."""
     import json
 
-    from test_load import tiny_vocab, write_hf
+    from helpers import tiny_vocab, write_hf
 
     from specjax.cli import main
 
@@ -120,7 +120,7 @@ def test_cli_train_drafter_then_generate_with_it(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hi there", "a cat", "ok")))
     out = tmp_path / "run"
-    common = ["train-drafter", "--target", model_dir, "--kind", "eagle3", "--prompts", str(prompts),
+    common = ["train-drafter", "--model", model_dir, "--kind", "eagle3", "--prompts", str(prompts),
               "--batch-size", "2", "--out", str(out), "--seq-len", "48", "--max-new-tokens", "8",
               "--depth", "2", "--draft-vocab", "40", "--save-every", "2", "--gen-batch-size", "4"]
     assert main([*common, "--steps", "4"]) == 0

@@ -269,14 +269,14 @@ def test_options_that_disagree_are_refused_before_loading(extra, message, no_mod
 def test_cli_rerun_after_a_failed_run_regenerates_and_trains(prompts, tmp_path, monkeypatch):
     """A run that fails in the data checks leaves OUT empty; the same command then succeeds
     without --resume, on freshly generated data."""
-    from test_load import tiny_vocab, write_hf
+    from helpers import tiny_vocab, write_hf
 
     import specjax.train.trainer
 
     cfg = tiny_config(vocab_size=len(tiny_vocab()[0]))
     model_dir = write_hf(tmp_path / "tiny", cfg, init_params(cfg, jax.random.PRNGKey(0)))
     out = tmp_path / "run"
-    argv = train_argv(prompts, out, "--target", str(model_dir), "--batch-size", "2",
+    argv = train_argv(prompts, out, "--model", str(model_dir), "--batch-size", "2",
                       "--seq-len", "24", "--max-new-tokens", "4", "--depth", "1",
                       "--gen-batch-size", "4")
 

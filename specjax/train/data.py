@@ -22,17 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from specjax.api import generate_ids
-from specjax.drafters.learned.objectives import response_mask
-from specjax.jsonfile import read_json_object, write_text_atomic
-
 FORMAT = "specjax-distill-v1"
+
+
+def read_json_object(path: str | Path) -> dict:
+    """The JSON object in `path`; a missing, unreadable or malformed file -> one-line
+    ValueError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(value, dict):  # a bad file, not a bad argument: ValueError as above
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")  # noqa: TRY004
+    return value
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes `path` through a temporary sibling and a rename: a kill never leaves it torn."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,17 +121,25 @@ class Sequences:
 
 def self_distill(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  seq_len: int, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
-                 eos_ids: Sequence[int] | None = None) -> Sequences:
+                 eos_ids: Sequence[int] | None = None,
+                 on_batch: Callable[[int], None] | None = None) -> Sequences:
     """Continues each prompt (token ids) with the target itself -> Sequences of prompt + response.
 
-    Prompts longer than seq_len - 1 keep their last seq_len // 2 tokens.
+    Prompts longer than seq_len - 1 keep their last seq_len // 2 tokens. on_batch(n) is called
+    as each batch of n prompts finishes (a progress bar's update).
     """
+    from specjax.api import iter_generate_ids
+
     keep = max(1, seq_len // 2)
     prompts = [list(p) if len(p) < seq_len else list(p)[-keep:] for p in prompts]
-    results = generate_ids(
+    results = []
+    for _, batch in iter_generate_ids(
         cfg, params, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
         batch_size=batch_size, eos_ids=eos_ids,
-    )
+    ):
+        results += batch
+        if on_batch is not None:
+            on_batch(len(batch))
     meta = {"generated_by": cfg.name, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed}
     return Sequences.from_rows([(p, r.token_ids) for p, r in zip(prompts, results)], seq_len,
@@ -144,6 +173,19 @@ def get_batch(data: Sequences, batch_size: int, seed: int, step: int) -> dict[st
             "prompt_lens": data.prompt_lens[idx]}
 
 
-def response_tokens(data: Sequences) -> np.ndarray:
-    """`[N]` every response token of the data (the tokens the heads learn to predict)."""
-    return data.tokens[response_mask(data.lengths, data.prompt_lens, data.seq_len)]
+def response_mask(lengths, prompt_lens, seq_len: int):
+    """`[B, T]` bool: position t holds a response token (prompt_len <= t < length). Works on
+    numpy and jax arrays."""
+    t = np.arange(seq_len)[None, :]
+    return (t >= prompt_lens[:, None]) & (t < lengths[:, None])
+
+
+def draft_vocabulary(data: Sequences, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """`[Vd]` sorted target ids: the Vd most frequent response tokens (ties: lower id), topped
+    up with the lowest unused ids when the data has fewer distinct tokens."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    mask = response_mask(data.lengths, data.prompt_lens, data.seq_len)
+    counts = np.bincount(data.tokens[mask], minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    return np.sort(order[:draft_vocab_size]).astype(np.int32)

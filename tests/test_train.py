@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from specjax.drafters.learned.checkpoint import load_trained
 from specjax.drafters.learned.eagle3 import draft_vocabulary

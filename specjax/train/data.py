@@ -22,38 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from specjax.api import iter_generate_ids
+from specjax.drafters.learned.objectives import response_mask
+from specjax.jsonfile import read_json_object, write_text_atomic
+
 FORMAT = "specjax-distill-v1"
-
-
-def read_json_object(path: str | Path) -> dict:
-    """The JSON object in `path`; a missing, unreadable or malformed file -> one-line
-    ValueError naming it."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(value, dict):  # a bad file, not a bad argument: ValueError as above
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")  # noqa: TRY004
-    return value
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Writes `path` through a temporary sibling and a rename: a kill never leaves it torn."""
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,8 +107,6 @@ def self_distill(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_token
     Prompts longer than seq_len - 1 keep their last seq_len // 2 tokens. on_batch(n) is called
     as each batch of n prompts finishes (a progress bar's update).
     """
-    from specjax.api import iter_generate_ids
-
     keep = max(1, seq_len // 2)
     prompts = [list(p) if len(p) < seq_len else list(p)[-keep:] for p in prompts]
     results = []
@@ -173,19 +150,6 @@ def get_batch(data: Sequences, batch_size: int, seed: int, step: int) -> dict[st
             "prompt_lens": data.prompt_lens[idx]}
 
 
-def response_mask(lengths, prompt_lens, seq_len: int):
-    """`[B, T]` bool: position t holds a response token (prompt_len <= t < length). Works on
-    numpy and jax arrays."""
-    t = np.arange(seq_len)[None, :]
-    return (t >= prompt_lens[:, None]) & (t < lengths[:, None])
-
-
-def draft_vocabulary(data: Sequences, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
-    """`[Vd]` sorted target ids: the Vd most frequent response tokens (ties: lower id), topped
-    up with the lowest unused ids when the data has fewer distinct tokens."""
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
-    mask = response_mask(data.lengths, data.prompt_lens, data.seq_len)
-    counts = np.bincount(data.tokens[mask], minlength=vocab_size)[:vocab_size]
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
-    return np.sort(order[:draft_vocab_size]).astype(np.int32)
+def response_tokens(data: Sequences) -> np.ndarray:
+    """`[N]` every response token of the data (the tokens the heads learn to predict)."""
+    return data.tokens[response_mask(data.lengths, data.prompt_lens, data.seq_len)]

@@ -1,15 +1,15 @@
 """Drafter training: optax AdamW + warmup-cosine, one jitted step, orbax checkpoints, resume.
 
 One step = one frozen target forward over a batch of self-distilled sequences (features and
-logits on the fly), the head's loss (`specjax.train.losses`), an AdamW update. The batch and
+logits on the fly), the head's loss (its kind's `HeadKind.loss`), an AdamW update. The batch and
 the PRNG key of step s are pure functions of (seed, s) (`data.get_batch`, `fold_in`), and the
 whole TrainState (step, params, optimizer state, consts) is checkpointed, so a run killed at
 any point and resumed from its last checkpoint ends with exactly the parameters of an
 uninterrupted run.
 
-Output folder layout:
+Output folder layout (read back by `specjax.drafters.learned.checkpoint`):
 
-  OUT/drafter.json        kind, head config, target name, train config, data meta
+  OUT/drafter.json        kind, head config, target name and config, train config, data meta
   OUT/checkpoints/<step>/ orbax CheckpointManager (keep-last-N, every save_every steps + final)
   OUT/metrics.jsonl       {"step", "loss", per-step metrics, "tokens", "elapsed_s"} rows; "tokens"
                           counts from step 0 (a resumed run continues it), "elapsed_s" this run
@@ -35,23 +35,25 @@ import optax
 import orbax.checkpoint as ocp
 from flax import struct
 
-from specjax.models.heads import (
-    TargetView,
-    head_config_from_dict,
-    head_config_to_dict,
+from specjax.drafters.learned import checkpoint
+from specjax.drafters.learned.blocks import TargetView
+from specjax.drafters.learned.objectives import target_pass
+from specjax.drafters.learned.registry import (
     init_from_target,
     init_head,
+    kind_of,
+    make_head_config,
 )
+from specjax.jsonfile import write_text_atomic
 from specjax.progress import progress_bar
+from specjax.train import data as training_data
 from specjax.train.data import (
     Sequences,
     get_batch,
-    read_json_object,
     response_mask,
+    response_tokens,
     tokens_before,
-    write_text_atomic,
 )
-from specjax.train.losses import loss_fn, target_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,7 @@ class TrainState:
 def init_train_state(head_cfg, tc: TrainConfig, consts: dict | None = None,
                      target_params=None) -> TrainState:
     """Fresh state: head params from PRNGKey(seed) (the LM-head-side pieces from the target's
-    when target_params is given, `heads.init_from_target`), optimizer state, step 0."""
+    when target_params is given, the kind's `init_from_target`), optimizer state, step 0."""
     variables = init_head(head_cfg, jax.random.PRNGKey(tc.seed), consts)
     if target_params is not None:
         variables = init_from_target(head_cfg, variables, target_params)
@@ -120,7 +122,7 @@ def train_step(head_cfg, tc: TrainConfig, state: TrainState, target_params, batc
     """One optimisation step -> (state, metrics {"loss", ...})."""
     tout = target_pass(head_cfg.target, target_params, batch["tokens"], head_cfg.hidden_layers)
     parts = TargetView(head_cfg.target).parts(target_params)
-    loss = loss_fn(head_cfg)
+    loss = kind_of(head_cfg).loss
 
     def objective(params):
         return loss(head_cfg, {"params": params, "consts": state.consts}, parts, tout, batch, key)
@@ -145,7 +147,7 @@ def checkpoint_manager(out_dir: str | Path, tc: TrainConfig) -> ocp.CheckpointMa
     options = ocp.CheckpointManagerOptions(
         max_to_keep=tc.keep, save_interval_steps=tc.save_every, create=True,
     )
-    return ocp.CheckpointManager(Path(out_dir).absolute() / "checkpoints", options=options)
+    return ocp.CheckpointManager(Path(out_dir).absolute() / checkpoint.CHECKPOINTS, options=options)
 
 
 def save_state(mngr: ocp.CheckpointManager, state: TrainState, force: bool = False) -> bool:
@@ -162,25 +164,18 @@ def restore_state(mngr: ocp.CheckpointManager, like: TrainState, step: int | Non
 
 
 def write_description(out_dir: Path, head_cfg, tc: TrainConfig, data_meta: dict) -> None:
-    desc = {"format": "specjax-drafter-v1", "kind": head_cfg.kind,
-            "head": head_config_to_dict(head_cfg), "target": head_cfg.target.name,
-            "train": dataclasses.asdict(tc), "data": data_meta}
-    write_text_atomic(out_dir / "drafter.json", json.dumps(desc, indent=1))
+    desc = checkpoint.describe(head_cfg, dataclasses.asdict(tc), data_meta)
+    write_text_atomic(out_dir / checkpoint.DESCRIPTION, json.dumps(desc, indent=1))
 
 
 def read_description(folder: Path, target_cfg) -> tuple[dict, object, TrainConfig]:
     """(OUT/drafter.json, its head config for target_cfg, its TrainConfig); a malformed file
     -> one-line ValueError naming it."""
-    path = folder / "drafter.json"
-    desc = read_json_object(path)
-    fields = {"kind": str, "head": dict, "train": dict}
-    missing = [k for k, kind in fields.items() if not isinstance(desc.get(k), kind)]
-    if missing:
-        raise ValueError(f"{path}: not a drafter description (no valid {', '.join(missing)})")
+    desc, head_cfg = checkpoint.read_description(folder, target_cfg)
     try:
-        return desc, head_config_from_dict(desc["head"], target_cfg), TrainConfig(**desc["train"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: unusable head or train config ({e})") from None
+        return desc, head_cfg, TrainConfig(**desc["train"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{folder / checkpoint.DESCRIPTION}: unusable train config ({e})") from None
 
 
 def metric_lines_until(lines: list[str], step: int) -> tuple[list[str], int]:
@@ -207,20 +202,6 @@ def keep_metrics_until(path: Path, step: int) -> None:
     if unreadable:
         print(f"warning: {path}: dropped {unreadable} unreadable line(s)", file=sys.stderr)
     write_text_atomic(path, "".join(line + "\n" for line in kept))  # also ends a torn last line
-
-
-def load_trained(folder: str | Path, target_cfg, step: int | None = None):
-    """(head config, head variables) of a folder written by `train`: its latest checkpoint."""
-    folder = Path(folder)
-    _desc, head_cfg, tc = read_description(folder, target_cfg)
-    mngr = checkpoint_manager(folder, tc)
-    if mngr.latest_step() is None:
-        raise ValueError(f"{folder}: no checkpoint yet")
-    consts = init_head(head_cfg, jax.random.PRNGKey(0))["consts"]
-    like = init_train_state(head_cfg, tc, consts)
-    state = restore_state(mngr, like, step)
-    mngr.close()
-    return head_cfg, state.variables
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +307,6 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
     same prompts and options), else the target's continuations of `prompts` (token ids),
     generated, saved and checked in OUT/.data.partial, then renamed to OUT/data: a failed or
     killed run leaves no folder a later run could take for finished data."""
-    from specjax.train.data import self_distill
-
     out_dir = Path(out_dir)
     folder, staging = out_dir / DATA_DIR, out_dir / STAGING_DIR
     request = distill_request(target.cfg.name, prompts, seq_len=seq_len,
@@ -344,9 +323,9 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
     try:
         with progress_bar(total=len(prompts), desc="self-distillation", unit="prompt",
                           enabled=progress) as bar:
-            data = self_distill(target.cfg, target.params, prompts, max_new_tokens=max_new_tokens,
-                                seq_len=seq_len, temperature=temperature, seed=seed,
-                                batch_size=batch_size, on_batch=bar.update)
+            data = training_data.self_distill(
+                target.cfg, target.params, prompts, max_new_tokens=max_new_tokens, seq_len=seq_len,
+                temperature=temperature, seed=seed, batch_size=batch_size, on_batch=bar.update)
         dataclasses.replace(data, meta={**data.meta, **request}).save(staging)
         data = Sequences.load(staging)
         check_distilled(data, target.cfg.vocab_size, folder)
@@ -363,22 +342,18 @@ def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: T
     """Builds the head of `kind` for the loaded target (cfg, params) and trains it on `data`.
 
     On resume the head config comes from OUT/drafter.json (head_options are ignored).
-    EAGLE-3 with a reduced vocabulary takes the data's most frequent response tokens.
+    Non-trained head constants come from the data (the kind's `consts_from_data`: EAGLE-3's
+    reduced vocabulary is the data's most frequent response tokens).
     """
-    from specjax.models.heads import make_head_config
-    from specjax.train.data import draft_vocabulary
-
     out_dir = Path(out_dir)
-    described = out_dir / "drafter.json"
+    described = out_dir / checkpoint.DESCRIPTION
     if resume and described.exists():
         desc, head_cfg, _tc = read_description(out_dir, target.cfg)
         if desc["kind"] != kind:
             raise ValueError(f"{out_dir} holds a {desc['kind']} drafter, not {kind}")
     else:
         head_cfg = make_head_config(kind, target.cfg, **(head_options or {}))
-    consts = None
-    if kind == "eagle3" and head_cfg.reduced_vocab:
-        consts = {"draft_to_target": draft_vocabulary(data, target.cfg.vocab_size,
-                                                      head_cfg.draft_vocab_size)}
+    from_data = kind_of(head_cfg).consts_from_data
+    consts = from_data(head_cfg, response_tokens(data)) if from_data else None
     return train(head_cfg, target.params, data, tc, out_dir, consts=consts, resume=resume,
                  progress=progress, stop_after=stop_after)

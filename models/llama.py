@@ -7,9 +7,12 @@ grow with depth. The forward is pure:
 
 writes the T new keys/values at each row's own offset `cache.lengths[b]` and returns logits,
 requested hidden states and the cache (lengths unchanged: commit is the caller's choice).
+`Llama(cfg)` is the same forward as an object with the members the decoding loop calls
+(`specjax.target.TargetModel`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -260,6 +263,37 @@ def forward(
     return ForwardOutput(
         logits=logits, hidden=hidden, layer_hidden=layer_hidden, cache=write(cache, k_new, v_new)
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+    """The built-in target model: `forward` and `init_cache` for one static `cfg`, with the
+    config fields the decoding loop reads (frozen and hashable: a jit static argument)."""
+
+    cfg: ModelConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.cfg.eos_token_ids
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def init_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty cache of `capacity` entries per row (lengths 0)."""
+        return init_cache(self.cfg, batch_size, capacity)
+
+    def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                tree_mask: jax.Array | None = None, *, hidden_layers: tuple[int, ...] = (),
+                logit_indices: jax.Array | None = None) -> ForwardOutput:
+        """`forward(self.cfg, ...)`: tokens, positions `[B, T]`, tree_mask `[B, T, T]` | None."""
+        return forward(self.cfg, params, tokens, positions, cache, tree_mask,
+                       hidden_layers=hidden_layers, logit_indices=logit_indices)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

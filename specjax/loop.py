@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.commit import accepted_tokens, commit
+from specjax.metrics import SpecMetrics
 from specjax.models.cache import KVCache
-from specjax.models.config import ModelConfig
-from specjax.models.llama import forward
 from specjax.rng import as_row_keys, sample_rows, split_rows, step_keys
 from specjax.sampling import SamplingParams
+from specjax.target import TargetModel, as_target
+from specjax.verify import verify
 
 # stop_reason codes
 RUNNING, EOS, STOP, LENGTH, ERROR = 0, 1, 2, 3, 4
@@ -137,7 +139,7 @@ def append_block(
     ends_row = in_block & (is_eos | is_stop | is_length | is_error)
     first = jnp.argmax(ends_row, axis=1)  # [B]
     hit = jnp.any(ends_row, axis=1)
-    pick = lambda x: jnp.take_along_axis(x, first[:, None], axis=1)[:, 0]  # noqa: E731
+    pick = lambda x: jnp.take_along_axis(x, first[:, None], axis=1)[:, 0]
     emitted = jnp.where(hit, first + 1 - pick(is_error), counts)
     reason = jnp.where(pick(is_error), ERROR, jnp.where(
         pick(is_eos), EOS, jnp.where(pick(is_stop), STOP, LENGTH)))
@@ -177,7 +179,7 @@ def init_state(
 
 
 def prefill(
-    cfg: ModelConfig,
+    target: TargetModel,
     params,
     state: DecodeState,
     prompt_width: int,
@@ -187,13 +189,14 @@ def prefill(
 ):
     """Runs the prompts (`tokens[:, :prompt_width]`), samples the first token of each row.
 
+    target: a `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     Returns (state, forward output); the cache holds each row's prompt, lengths = prompt_lens.
     """
     batch = state.tokens.shape[0]
     prompt = state.tokens[:, :prompt_width]
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
-    out = forward(
-        cfg, params, prompt, positions, state.cache,
+    out = as_target(target).forward(
+        params, prompt, positions, state.cache,
         hidden_layers=hidden_layers,
         logit_indices=(state.prompt_lens - 1)[:, None],
     )
@@ -204,11 +207,11 @@ def prefill(
 
 
 def ar_step(
-    cfg: ModelConfig, params, state: DecodeState, sampling: SamplingParams, criteria: StopCriteria
+    target: TargetModel, params, state: DecodeState, sampling: SamplingParams, criteria: StopCriteria
 ) -> DecodeState:
     """One plain decoding step: forward the root token, sample, append."""
     positions = state.cache.lengths[:, None]
-    out = forward(cfg, params, state.last_token[:, None], positions, state.cache)
+    out = as_target(target).forward(params, state.last_token[:, None], positions, state.cache)
     next_token = sample_rows(state.next_keys(), out.logits[:, 0], sampling)
     cache = out.cache.advance(jnp.where(state.done, 0, 1))
     state = state.replace(cache=cache, step=state.step + 1)
@@ -217,10 +220,10 @@ def ar_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("target", "width"), donate_argnames=("cache",)
 )
 def generate_program(
-    cfg: ModelConfig,
+    target: TargetModel,
     params,
     prompt_tokens: jax.Array,
     prompt_lens: jax.Array,
@@ -234,16 +237,17 @@ def generate_program(
 ) -> DecodeState:
     """Prefill + decode until every row is done, as ONE XLA program.
 
+    target: static, a `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     prompt_tokens `[B, P]` right-padded (P is the prompt bucket), prompt_lens `[B]`, max_new
     `[B]` (0 marks a padding row), cache of capacity >= width (donated), key: the rows' PRNG
     keys `[B, 2]` (or one key split across rows; see `init_state`), width W = the token
     buffer size >= P + max(max_new). Returns the final DecodeState.
     """
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
-    state, _ = prefill(cfg, params, state, prompt_tokens.shape[1], sampling, criteria)
+    state, _ = prefill(target, params, state, prompt_tokens.shape[1], sampling, criteria)
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done),
-        lambda s: ar_step(cfg, params, s, sampling, criteria),
+        lambda s: ar_step(target, params, s, sampling, criteria),
         state,
     )
 
@@ -254,7 +258,7 @@ def generate_program(
 
 
 def spec_step(
-    cfg: ModelConfig,
+    target: TargetModel,
     params,
     drafter,
     drafter_params,
@@ -269,15 +273,12 @@ def spec_step(
     Returns (state, drafter_state, metrics). Shapes never change; per-row lengths advance by
     accepted + 1 (less where EOS / stop / max_new_tokens cuts the block).
     """
-    from specjax.commit import accepted_tokens, commit
-    from specjax.verify import verify
-
     tree = drafter.tree
     batch = state.tokens.shape[0]
     propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
     root = state.last_token
-    target_out = verify(cfg, params, state.cache, root, draft, tree, drafter.hidden_layers)
+    target_out = verify(target, params, state.cache, root, draft, tree, drafter.hidden_layers)
     result = drafter.accept(drafter_params, accept_key, target_out.logits, draft, sampling)
     active = ~state.done
     cache = commit(target_out.cache, result, tree, active)
@@ -292,11 +293,11 @@ def spec_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "drafter", "width"),
+    jax.jit, static_argnames=("target", "drafter", "width"),
     donate_argnames=("cache", "drafter_carry"),
 )
 def spec_generate_program(
-    cfg: ModelConfig,
+    target: TargetModel,
     params,
     drafter,
     drafter_params,
@@ -319,20 +320,18 @@ def spec_generate_program(
     batch, else the previous batch's returned carry; donated).
     Returns (DecodeState, SpecMetrics, the drafter's carry for the next batch).
     """
-    from specjax.metrics import SpecMetrics
-
     batch = prompt_tokens.shape[0]
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
     drafter_state = drafter.resume(drafter.init(drafter_params, batch, width), drafter_carry)
     state, prefill_out = prefill(
-        cfg, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
+        target, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
     )
     drafter_state = drafter.prefill(drafter_params, drafter_state, state, prefill_out)
     metrics = SpecMetrics.zeros(batch, drafter.tree.max_depth)
 
     def body(carry):
         s, ds, m = carry
-        return spec_step(cfg, params, drafter, drafter_params, s, ds, m, sampling, criteria)
+        return spec_step(target, params, drafter, drafter_params, s, ds, m, sampling, criteria)
 
     state, drafter_state, metrics = jax.lax.while_loop(
         lambda c: jnp.any(~c[0].done), body, (state, drafter_state, metrics)

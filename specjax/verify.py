@@ -5,14 +5,14 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.cache import KVCache
-from specjax.models.config import ModelConfig
-from specjax.models.llama import ForwardOutput, forward
+from specjax.models.llama import ForwardOutput
+from specjax.target import TargetModel, as_target
 from specjax.tree import TreeSpec
 from specjax.types import Draft
 
 
 def verify(
-    cfg: ModelConfig,
+    target: TargetModel,
     params,
     cache: KVCache,
     root: jax.Array,
@@ -24,10 +24,11 @@ def verify(
 
     The ancestor mask is the tree's (invalid nodes need no extra masking: their descendants
     are invalid too and are never accepted). Returns logits `[B, 1 + N, V]` and the cache with
-    1 + N provisional entries per row at `[lengths, lengths + 1 + N)`.
+    1 + N provisional entries per row at `[lengths, lengths + 1 + N)`. target: a
+    `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     """
     batch = root.shape[0]
     tokens = jnp.concatenate([root[:, None], draft.tokens], axis=1).astype(jnp.int32)
     positions = cache.lengths[:, None] + jnp.asarray(tree.verify_depth)[None, :]
     mask = jnp.broadcast_to(jnp.asarray(tree.ancestor_mask()), (batch,) + (tree.num_nodes + 1,) * 2)
-    return forward(cfg, params, tokens, positions, cache, mask, hidden_layers=hidden_layers)
+    return as_target(target).forward(params, tokens, positions, cache, mask, hidden_layers=hidden_layers)

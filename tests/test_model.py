@@ -1,6 +1,8 @@
 """The Llama-family forward: tree masks, per-row cache offsets, variants."""
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,7 +128,7 @@ def layer_by_layer(cfg, params, tokens, positions, cache) -> list:
     mask = causal_mask(*tokens.shape)
     outputs = []
     for layer in range(cfg.num_layers):
-        layer_params = jax.tree.map(lambda stacked: stacked[layer], params["params"]["layers"])
+        layer_params = jax.tree.map(operator.itemgetter(layer), params["params"]["layers"])
         x, _ = DecoderLayer(cfg).apply({"params": layer_params}, x, cache.k[layer], cache.v[layer],
                                        cos, sin, cache.lengths, mask)
         outputs.append(x)

@@ -4,9 +4,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 AttentionImpl = Literal["auto", "pallas", "xla"]
+DTYPES = ("float32", "bfloat16", "float16")
+#: backends where "auto" means bfloat16 (fast matmuls in bf16, f32 accumulation)
+BF16_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """A params dtype from `dtype`: "auto" = bfloat16 on GPU / TPU, float32 on CPU; "float32",
+    "bfloat16", "float16" as they are (ValueError for anything else)."""
+    if dtype == "auto":
+        return "bfloat16" if jax.default_backend() in BF16_BACKENDS else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +69,7 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.attention_impl not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention_impl must be auto, pallas or xla, not {self.attention_impl!r}")

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from specjax.models.checkpoint import CheckpointError
-from specjax.models.config import ModelConfig
+from specjax.models.config import ModelConfig, resolve_dtype
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf
 from specjax.models.gguf_reader import read_gguf
 from specjax.models.hf_loader import load_hf
@@ -301,7 +301,9 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32") -> Loade
 
     `cfg.eos_token_ids` equals `tokenizer.eos_token_ids` (the preset's eos tokens when it names
     them, else the checkpoint's eos plus the known end-of-turn tokens of its vocabulary).
+    dtype: of the params; "auto" = bfloat16 on GPU / TPU, float32 on CPU (`resolve_dtype`).
     """
+    dtype = resolve_dtype(dtype)
     path, preset = resolve(name_or_path)
     if path.is_dir():
         cfg, params = load_hf(path, dtype)

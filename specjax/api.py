@@ -1,32 +1,48 @@
 """User-facing generation: validation, bucketing, batching, host-side text handling.
 
-`generate_ids` works on token ids with any (cfg, params); `generate` adds a tokenizer, chat
-templates and stop strings. Both run each batch as ONE jitted program (`loop.generate_program`)
-whose shapes are bucketed (2^k or 3·2^(k-2) lengths, power-of-two batches), so calls with
-other prompt lengths or max_new_tokens inside the same buckets do not compile again.
+    out = specjax.generate(model, ["Name three primes."], draft="ngram", num_draft=4)
+
+`generate` takes a loaded model (or a name / path to load), prompts as text, chat message lists
+or token ids, and returns text; `generate_ids` works on token ids with any target model
+(`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. Both
+run each batch as ONE jitted program (`loop.generate_program`) whose shapes are bucketed (2^k
+or 3·2^(k-2) lengths, power-of-two batches), so calls with other prompt lengths or
+max_new_tokens inside the same buckets do not compile again. Every argument is checked before
+a model loads or anything compiles (`specjax.options`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import reprlib
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafter
+from specjax.drafters.registry import make_drafter
 from specjax.loop import STOP_REASONS, StopCriteria, generate_program, spec_generate_program
 from specjax.metrics import row_summaries
-from specjax.models.cache import init_cache
-from specjax.models.config import ModelConfig
-from specjax.rng import KEY_ID_SPACE, job_row_keys, prompt_key_id
+from specjax.models.config import ModelConfig, resolve_dtype
+from specjax.models.hub import load_model
+from specjax.options import (
+    DraftChoice,
+    GenerationConfig,
+    as_rows,
+    check_int,
+    describe,
+    draft_choice,
+    is_integer,
+    job_key,
+)
+from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
-from specjax.tree import TreeSpec, check_num_draft
+from specjax.target import TargetModel, as_target
+from specjax.tree import TreeSpec
 
 MIN_BUCKET = 16
 
@@ -36,68 +52,23 @@ class PromptError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks: all run before any model load or compile, and name the row or argument
+# Prompt checks: all run before any model load or compile, and name the row or argument
 # ---------------------------------------------------------------------------------------------
 
 
-def _describe(value) -> str:
-    """`type value` for an error message, the value shortened."""
-    return f"{type(value).__name__} {reprlib.repr(value)}"
-
-
-def _is_integer(value) -> bool:
-    """An int or a numpy integer (not a bool, not a float however round)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def check_int(value, what: str, low: int, high: int | None = None) -> int:
-    """`value` as an int in [low, high) (no upper bound when high is None); TypeError when it is
-    not an integer, ValueError when out of range, both naming `what`."""
-    bounds = f">= {low}" if high is None else f"in [{low}, {high})"
-    if not _is_integer(value):
-        raise TypeError(f"{what} must be an integer {bounds}, got {_describe(value)}")
-    if value < low or (high is not None and value >= high):
-        raise ValueError(f"{what} must be an integer {bounds}, got {value}")
-    return int(value)
-
-
-def check_drafter(drafter) -> None:
-    """None or a Drafter whose tree is a TreeSpec within `specjax.tree.MAX_DRAFT_NODES`."""
-    if drafter is None:
-        return
-    if not isinstance(drafter, Drafter):
-        raise TypeError("the drafter must be a specjax Drafter (specjax.drafters.registry."
-                        f"make_drafter) or None, got {_describe(drafter)}")
-    if not isinstance(drafter.tree, TreeSpec):
-        raise TypeError(f"the drafter's tree must be a specjax.tree.TreeSpec, got {_describe(drafter.tree)}")
-    check_num_draft(drafter.tree.num_nodes, "the drafter's tree size (draft nodes)")
-
-
-def check_options(*, max_new_tokens, batch_size, seed, max_len, drafter) -> None:
-    """Range checks of a job's scalar options (batch_size / max_len None = the default)."""
-    check_int(max_new_tokens, "max_new_tokens", 1)
+def check_sizes(batch_size: int | None, max_len: int | None) -> None:
+    """batch_size and max_len are None (the default) or integers >= 1."""
     if batch_size is not None:
         check_int(batch_size, "batch_size", 1)
-    check_int(seed, "seed", 0, KEY_ID_SPACE)
     if max_len is not None:
         check_int(max_len, "max_len", 1)
-    check_drafter(drafter)
-
-
-def _rows(values, what: str, expected: str) -> list:
-    """An ordered container (list, tuple, array, iterator) as a list, else a TypeError naming
-    the argument `what` and what was `expected` (a str, bytes, dict or set is refused)."""
-    unordered = (str, bytes, bytearray, Mapping, AbstractSet)
-    if isinstance(values, unordered) or not isinstance(values, Iterable):
-        raise TypeError(f"{what} must be {expected}, got {_describe(values)}")
-    return list(values)
 
 
 def row_labels(labels, count: int) -> list[str]:
     """The names of `count` rows in errors: `labels` (one per row) or "prompt i"."""
     if labels is None:
         return [f"prompt {i}" for i in range(count)]
-    labels = _rows(labels, "labels", "a sequence of str (one per prompt)")
+    labels = as_rows(labels, "labels", "a sequence of str (one per prompt)")
     if len(labels) != count:
         raise ValueError(f"labels has {len(labels)} entries for {count} prompts")
     return [str(label) for label in labels]
@@ -108,7 +79,7 @@ def row_key_ids(prompt_ids, count: int) -> list[int]:
     str per prompt), else the row's index in the job."""
     if prompt_ids is None:
         return list(range(count))
-    ids = _rows(prompt_ids, "prompt_ids", "a sequence of ints or strs (one per prompt)")
+    ids = as_rows(prompt_ids, "prompt_ids", "a sequence of ints or strs (one per prompt)")
     if len(ids) != count:
         raise ValueError(f"prompt_ids has {len(ids)} entries for {count} prompts")
     key_ids = []
@@ -116,21 +87,78 @@ def row_key_ids(prompt_ids, count: int) -> list[int]:
         try:
             key_ids.append(prompt_key_id(prompt_id))
         except TypeError:
-            raise TypeError(f"prompt_ids[{i}] must be an int or a str, got {_describe(prompt_id)}") from None
+            raise TypeError(f"prompt_ids[{i}] must be an int or a str, got {describe(prompt_id)}") from None
     return key_ids
 
 
-def text_prompts(prompts, labels) -> tuple[list[str], list[str]]:
-    """(prompts as a list of non-blank str, their labels); a single str is one prompt.
-    TypeError / PromptError name the first bad row."""
-    rows = [prompts] if isinstance(prompts, str) else _rows(prompts, "prompts", "a str or a sequence of str")
-    labels = row_labels(labels, len(rows))
-    for text, name in zip(rows, labels):
-        if not isinstance(text, str):
-            raise TypeError(f"{name} must be a str, got {_describe(text)}")
-        if not text.strip():
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One checked text-level prompt: exactly one of `text`, `messages` (a chat) or `ids`.
+
+    given: the prompt as the caller gave it (`Generation.prompt`).
+    """
+
+    given: Any
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+    ids: tuple[int, ...] | None = None
+
+    def encode(self, tokenizer, chat: bool) -> list[int]:
+        """Token ids: ids as they are, a chat through the tokenizer's chat template, text
+        through the template too when `chat` (else as plain text)."""
+        if self.ids is not None:
+            return list(self.ids)
+        if self.messages is not None:
+            return tokenizer.encode_chat(list(self.messages))
+        return tokenizer.encode_chat(self.text) if chat else tokenizer.encode(self.text)
+
+
+def is_chat(value) -> bool:
+    """A list / tuple whose first entry is a mapping: a chat (a list of messages)."""
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], Mapping)
+
+
+def chat_messages(messages, name: str) -> tuple[dict, ...]:
+    """A chat's messages as dicts, each with a str "role" and a str "content" (TypeError naming
+    the prompt and message otherwise)."""
+    for j, message in enumerate(messages):
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise TypeError(f"{name}: message {j} must be a mapping with a str 'role' and a str "
+                            f"'content', got {describe(message)}")
+    return tuple(dict(m) for m in messages)
+
+
+def text_level_prompt(row, name: str) -> Prompt:
+    """One prompt of `generate`: a str, a chat (a list of {"role", "content"} messages) or a
+    sequence of token ids. TypeError / PromptError naming the row."""
+    if isinstance(row, str):
+        if not row.strip():
             raise PromptError(f"{name} is empty: nothing to condition on")
-    return rows, labels
+        return Prompt(given=row, text=row)
+    if is_chat(row):
+        return Prompt(given=row, messages=chat_messages(row, name))
+    if is_integer(row):
+        raise TypeError(f"{name} must be a str, a chat (list of messages) or a sequence of token "
+                        f"ids, got {describe(row)} (one token-id prompt is a list: [[1, 2, ...]])")
+    if isinstance(row, (bytes, bytearray, Mapping)) or not isinstance(row, Iterable):
+        raise TypeError(f"{name} must be a str, a chat (list of messages) or a sequence of token "
+                        f"ids, got {describe(row)}")
+    ids = as_token_ids(row, name)
+    if not ids:
+        raise PromptError(f"{name} is empty: nothing to condition on")
+    return Prompt(given=row, ids=tuple(ids))
+
+
+def text_level_prompts(prompts, labels) -> tuple[list[Prompt], list[str]]:
+    """(the checked prompts, their labels); a single str or a single chat is one prompt.
+    TypeError / PromptError name the first bad row."""
+    if isinstance(prompts, str) or is_chat(prompts):
+        rows = [prompts]
+    else:
+        rows = as_rows(prompts, "prompts", "a str, a chat or a sequence of prompts")
+    labels = row_labels(labels, len(rows))
+    return [text_level_prompt(row, name) for row, name in zip(rows, labels)], labels
 
 
 def as_token_ids(row, name: str) -> list[int]:
@@ -143,31 +171,20 @@ def as_token_ids(row, name: str) -> list[int]:
                             f"{array.ndim}-D array of {array.dtype}")
         return array.tolist()
     if isinstance(row, (str, bytes, bytearray, Mapping)) or not isinstance(row, Iterable):
-        raise TypeError(f"{name} must be a sequence of integer token ids, got {_describe(row)}")
+        raise TypeError(f"{name} must be a sequence of integer token ids, got {describe(row)}")
     ids = list(row)
     for position, t in enumerate(ids):
-        if not _is_integer(t):
+        if not is_integer(t):
             raise TypeError(f"{name} has a non-integer token id at position {position}: "
-                            f"{_describe(t)} (token ids must be integers)")
+                            f"{describe(t)} (token ids must be integers)")
     return [int(t) for t in ids]
 
 
 def id_prompts(prompts, labels) -> tuple[list[list[int]], list[str]]:
     """(prompts as lists of int token ids, their labels); TypeError names the first bad row."""
-    rows = _rows(prompts, "prompts", "a sequence of token-id sequences")
+    rows = as_rows(prompts, "prompts", "a sequence of token-id sequences")
     labels = row_labels(labels, len(rows))
     return [as_token_ids(row, name) for row, name in zip(rows, labels)], labels
-
-
-def stop_strings(stop) -> list[str]:
-    """The non-empty stop strings of `stop` (None, one str, or a sequence of str)."""
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else _rows(stop, "stop", "a str or a sequence of str")
-    for i, s in enumerate(stops):
-        if not isinstance(s, str):
-            raise TypeError(f"stop[{i}] must be a str, got {_describe(s)}")
-    return [s for s in stops if s]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +203,7 @@ class TokenResult:
 class Generation:
     """One prompt's output at the text level."""
 
-    prompt: str
+    prompt: str | list[dict] | list[int]  # as given: a str, a chat or token ids
     completion: str
     token_ids: list[int]
     num_new_tokens: int
@@ -219,12 +236,12 @@ def draft_margin(tree: TreeSpec | None) -> int:
     return 0 if tree is None else tree.num_nodes + 1
 
 
-def draft_tree(drafter, schedule, batch_size: int) -> TreeSpec | None:
+def batch_tree(choice: DraftChoice, schedule, batch_size: int) -> TreeSpec | None:
     """The draft tree batches of `batch_size` run with: the schedule's pick for that batch size
-    (None = plain decoding), else the drafter's (None without one). Loads no model."""
+    (None = plain decoding), else the chosen drafter's (None without one). Loads no model."""
     if schedule is not None:
         return load_schedule(schedule).pick(batch_size).tree_spec
-    return None if drafter is None else drafter.tree
+    return choice.tree
 
 
 def validate_prompts(
@@ -273,7 +290,7 @@ def _pad_keys(row_keys: np.ndarray, batch_size: int) -> np.ndarray:
 
 
 def run_batch(
-    cfg: ModelConfig,
+    target: TargetModel | ModelConfig,
     params,
     prompts: Sequence[Sequence[int]],
     *,
@@ -288,13 +305,14 @@ def run_batch(
 ) -> tuple[list[TokenResult], object]:
     """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion.
 
+    target: a `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     Plain decoding when drafter is None, else speculative decoding with that drafter.
     row_keys: `[len(prompts), 2]` uint32, each prompt's PRNG key (`specjax.rng.job_row_keys`).
     Returns (results, the drafter's carry for the job's next batch); drafter_carry is this
     batch's (`drafter.init_carry(drafter_params)` for the first; donated).
     """
     if drafter is not None:
-        drafter.check_target(cfg)
+        drafter.check_target(target)
     prompt_width = bucket(max(len(p) for p in prompts))
     margin = draft_margin(None if drafter is None else drafter.tree)
     width = prompt_width + bucket(max_new_tokens) + margin
@@ -302,14 +320,14 @@ def run_batch(
     max_new = np.zeros((batch_size,), np.int32)
     max_new[: len(prompts)] = max_new_tokens
     args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
-            init_cache(cfg, batch_size, width), jnp.asarray(_pad_keys(row_keys, batch_size)),
+            as_target(target).init_cache(batch_size, width), jnp.asarray(_pad_keys(row_keys, batch_size)),
             sampling, criteria)
     start = time.perf_counter()
     if drafter is None:
-        state, metrics = generate_program(cfg, params, *args, width=width), None
+        state, metrics = generate_program(target, params, *args, width=width), None
     else:
         state, metrics, drafter_carry = spec_generate_program(
-            cfg, params, drafter, drafter_params, *args, drafter_carry, width=width
+            target, params, drafter, drafter_params, *args, drafter_carry, width=width
         )
     out_tokens, num_tokens, reasons, metrics = jax.device_get(
         (state.tokens, state.num_tokens, state.stop_reason, metrics)
@@ -328,61 +346,129 @@ def run_batch(
     return results, drafter_carry
 
 
+def drafter_dtype(dtype: str, target) -> str:
+    """The dtype a drafter's own weights load in: `dtype`, where "auto" follows a built-in
+    target's dtype (else `resolve_dtype("auto")`)."""
+    if dtype == "auto" and isinstance(target, ModelConfig):
+        return target.dtype
+    return resolve_dtype(dtype)
+
+
+def build_drafter(choice: DraftChoice, target, params, model, dtype: str):
+    """(drafter, drafter params) of a checked `draft=`: a spec is built for the target through
+    the registry (`model`: the loaded model with its tokenizer, when there is one)."""
+    if choice.spec is None:
+        return choice.drafter, choice.params
+    return make_drafter(choice.spec, tree=choice.tree, target=model, target_cfg=target,
+                        target_params=params, dtype=drafter_dtype(dtype, target))
+
+
+def renamed_drafter(draft, drafter):
+    """`draft=`, or the value of its deprecated name `drafter=` (with a DeprecationWarning)."""
+    if drafter is None:
+        return draft
+    warnings.warn("generate_ids(drafter=...) is deprecated: pass draft=", DeprecationWarning, stacklevel=3)
+    if draft is not None:
+        raise ValueError("give draft= only (drafter= is its deprecated name)")
+    return drafter
+
+
 def iter_generate_ids(
-    cfg: ModelConfig,
+    target: TargetModel | ModelConfig,
     params,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
+    draft=None,
+    num_draft: int | None = None,
+    tree: TreeSpec | str | None = None,
+    drafter_params=None,
+    config: GenerationConfig | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     stop_token_seqs: Sequence[Sequence[int]] = (),
+    seed: int | None = None,
+    key: jax.Array | None = None,
     batch_size: int | None = None,
     max_len: int | None = None,
-    drafter=None,
-    drafter_params=None,
     schedule=None,
     labels: Sequence[str] | None = None,
     prompt_ids: Sequence[int | str] | None = None,
     model=None,
-    dtype: str = "float32",
+    dtype: str = "auto",
+    drafter=None,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
     """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
 
+    target: the target model: a `specjax.target.TargetModel`, or a ModelConfig for the built-in
+      Llama; params: its params pytree.
     prompts: a sequence of token-id sequences (ints or numpy integers; floats are refused).
-    Prompts are processed in batches of `batch_size` rows (default: all at once, rounded to a
-    bucket); each batch is one jitted prefill+decode program, speculative when a drafter
-    (`specjax.drafters`) is given; a drafter's job-level state is carried across batches.
+    draft: None (plain decoding), a drafter spec string (`specjax.drafters.registry`, e.g.
+      "ngram", "suffix:1-6", "eagle3:DIR"), a Drafter, or a `(drafter, params)` pair.
+    num_draft / tree: the draft shape, a chain of num_draft tokens or a tree (a TreeSpec, preset
+      name or YAML path); default: a chain of 4 for a spec, a Drafter's own tree.
+    drafter_params: the params of a Drafter given alone (default None).
+    config: a GenerationConfig, in place of max_new_tokens, temperature, top_k, top_p and
+      eos_ids (default: GenerationConfig()'s values; an option given both ways is an error).
+      eos_ids: ids that end a row (None: the target's `eos_token_ids`; () = none).
+    stop_token_seqs: token sequences that end a row (stop strings need `generate`).
+    seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
+    batch_size: rows per batch (default: all prompts at once, rounded to a bucket); each batch
+      is one jitted prefill+decode program; a drafter's job-level state is carried across them.
+    max_len: the longest row in cache entries (default: the target's max_position_embeddings).
     schedule: a `specjax.schedule.Schedule` (or its YAML path) whose bucket for `batch_size`
-    sets the drafter's draft shape (0 = no speculation); with drafter=None the schedule's own
-    drafter spec is built for `model`. labels name the prompts in errors.
+      sets the draft shape (0 = no speculation); with draft=None the schedule's own drafter spec
+      is built.
+    labels: names of the prompts in errors (default "prompt i").
     prompt_ids: a stable int or str per prompt (default: its index in `prompts`); a row samples
-    with fold_in(PRNGKey(seed), its id) only, so the same prompt, id and seed give the same
-    tokens at any batch size or position, e.g. when a job is resumed with the remaining rows.
+      with fold_in(job key, its id) only, so the same prompt, id and seed give the same tokens at
+      any batch size or position, e.g. when a job is resumed with the remaining rows.
+    model: the loaded model (with its tokenizer) when there is one, for drafter specs that need
+      it; dtype: of a drafter's own weights ("auto": the target's).
+    drafter: deprecated name of draft.
     Every argument is checked when this is called (TypeError / ValueError / PromptError naming
     the row or argument), before anything compiles; the batches run as the result is iterated.
     """
     prompts, labels = id_prompts(prompts, labels)
-    check_options(max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, max_len=max_len,
-                  drafter=drafter)
+    generation = GenerationConfig.resolve(config, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_k=top_k, top_p=top_p,
+                                          eos_ids=eos_ids)
+    if generation.stop:
+        raise ValueError("stop strings need the tokenizer: use specjax.generate, or pass their "
+                         "token sequences as stop_token_seqs=")
+    choice = draft_choice(renamed_drafter(draft, drafter), num_draft, tree, drafter_params)
+    return id_job(target, params, prompts, generation, job_key(seed, key), choice,
+                  stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
+                  schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype)
+
+
+def id_job(target, params, prompts: list[list[int]], generation: GenerationConfig,
+           key: np.ndarray, choice: DraftChoice, *, stop_token_seqs, batch_size: int | None,
+           max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str):
+    """The batches of a job whose options are checked (`iter_generate_ids` documents them),
+    after the checks that need the target: prompt ids in its vocabulary, rows within max_len.
+    key: the job's `[2]` uint32 PRNG key."""
+    check_sizes(batch_size, max_len)
     key_ids = row_key_ids(prompt_ids, len(prompts))
-    sampling = SamplingParams.make(temperature, top_k, top_p)
-    criteria = StopCriteria.make(cfg.eos_token_ids if eos_ids is None else eos_ids, stop_token_seqs)
+    target_model = as_target(target)
+    eos_ids = target_model.eos_token_ids if generation.eos_ids is None else generation.eos_ids
+    criteria = StopCriteria.make(eos_ids, stop_token_seqs)
     batch_size = batch_size or batch_bucket(len(prompts))
-    margin = draft_margin(draft_tree(drafter, schedule, batch_size))
-    validate_prompts(prompts, cfg.vocab_size, max_new_tokens, max_len or cfg.max_position_embeddings,
-                     labels, margin)
+    margin = draft_margin(batch_tree(choice, schedule, batch_size))
+    validate_prompts(prompts, target_model.vocab_size, generation.max_new_tokens,
+                     max_len or target_model.max_position_embeddings, labels, margin)
+    drafter, drafter_params = build_drafter(choice, target, params, model, dtype)
     return _run_job(
-        cfg, params, prompts, job_row_keys(seed, key_ids), batch_size=batch_size,
+        target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,
-        dtype=dtype, max_new_tokens=max_new_tokens, sampling=sampling, criteria=criteria,
+        dtype=drafter_dtype(dtype, target), max_new_tokens=generation.max_new_tokens,
+        sampling=generation.sampling(), criteria=criteria,
     )
 
 
-def _run_job(cfg, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
+def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
              drafter_params, schedule, model, dtype: str, **batch_options):
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
     prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
@@ -390,17 +476,21 @@ def _run_job(cfg, params, prompts, row_keys: np.ndarray, *, batch_size: int, dra
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for start, chunk in batches(prompts, batch_size):
         results, carry = run_batch(
-            cfg, params, chunk, row_keys=row_keys[start : start + len(chunk)],
+            target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
             batch_size=batch_size, drafter=drafter, drafter_params=drafter_params,
             drafter_carry=carry, **batch_options,
         )
         yield start, results
 
 
-def generate_ids(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], **kwargs) -> list[TokenResult]:
+def generate_ids(target: TargetModel | ModelConfig, params, prompts: Sequence[Sequence[int]],
+                 **options) -> list[TokenResult]:
     """Generates from token-id prompts; one TokenResult per prompt, in order (see
-    `iter_generate_ids` for the options)."""
-    return [r for _, batch in iter_generate_ids(cfg, params, prompts, **kwargs) for r in batch]
+    `iter_generate_ids` for the options).
+
+    >>> generate_ids(cfg, params, [[1, 2, 3]], draft="ngram", num_draft=4, max_new_tokens=32)
+    """
+    return [r for _, batch in iter_generate_ids(target, params, prompts, **options) for r in batch]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,33 +519,42 @@ def truncate_at_stop(
     return text[:cut], token_ids[:keep], "stop"
 
 
-def _loaded(model, dtype: str):
-    """A loaded model (cfg, params, tokenizer) from itself or a name / path to load."""
+def loaded(model, dtype: str):
+    """A loaded model (cfg, params, tokenizer) from itself or a name / path to load
+    (`specjax.models.hub.load_model`)."""
     if isinstance(model, (str, os.PathLike)):
-        from specjax.models.hub import load_model
-
         return load_model(model, dtype=dtype)
     if not all(hasattr(model, part) for part in ("cfg", "params", "tokenizer")):
-        raise TypeError("model must be a name, a path or a loaded model (specjax.models."
-                        f"load_model), got {_describe(model)}")
+        raise TypeError("model must be a name, a path or a loaded model (specjax.load), got "
+                        f"{describe(model)}")
     return model
+
+
+def model_eos_ids(model) -> tuple[int, ...]:
+    """The ids that end a row by default: the config's end tokens, then the tokenizer's."""
+    return tuple(dict.fromkeys(tuple(model.cfg.eos_token_ids) + tuple(model.tokenizer.eos_token_ids)))
 
 
 def iter_generate(
     model,
-    prompts: Sequence[str],
+    prompts,
     *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
+    draft=None,
+    num_draft: int | None = None,
+    tree: TreeSpec | str | None = None,
+    drafter_params=None,
+    config: GenerationConfig | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    seed: int = 0,
-    stop: Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
+    eos_ids: Sequence[int] | None = None,
+    seed: int | None = None,
+    key: jax.Array | None = None,
     chat: bool = True,
     batch_size: int = 8,
-    draft=None,
-    drafter_params=None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     max_len: int | None = None,
     labels: Sequence[str] | None = None,
     schedule=None,
@@ -463,11 +562,26 @@ def iter_generate(
 ) -> Iterator[tuple[int, list[Generation]]]:
     """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
 
-    model: a loaded model (cfg, params, tokenizer) or a name/path for `specjax.models.load_model`.
-    prompts: a str (one prompt) or a sequence of str.
-    stop: a stop string or a sequence of them.
-    draft: None (plain decoding) or a Drafter (see `specjax.drafters.registry.make_drafter`).
-    labels: names of the prompts for error messages (default "prompt i").
+    model: a loaded model (`specjax.load`: cfg, params, tokenizer) or a name / path to load.
+    prompts: one prompt or a sequence of them; a prompt is a str, a chat (a list of
+      {"role": ..., "content": ...} messages, any number of turns, rendered with the tokenizer's
+      chat template) or a sequence of token ids (used as they are).
+    draft: None (plain decoding), a drafter spec string (e.g. "ngram", "suffix", "eagle3:DIR";
+      the kinds: `specjax.drafters.registry.available_drafters()`), a Drafter, or a
+      `(drafter, params)` pair. num_draft / tree: the draft shape, a chain of num_draft tokens or
+      a tree (TreeSpec, preset name or YAML path); default: a chain of 4 for a spec, a Drafter's
+      own tree. drafter_params: the params of a Drafter given alone.
+    config: a GenerationConfig in place of max_new_tokens (default 128), temperature (0 =
+      greedy), top_k, top_p, stop (a stop string or several) and eos_ids (default: the model's
+      and its tokenizer's end tokens); an option given both ways is an error.
+    seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
+    chat: render str prompts with the chat template (default True; chats always are).
+    batch_size: prompts per jitted batch (default 8).
+    dtype: of the weights loaded for a name / path and for a drafter's own weights: "auto"
+      (default: bfloat16 on GPU / TPU, float32 on CPU; a drafter follows the target), "float32",
+      "bfloat16" or "float16".
+    max_len: the longest row in cache entries (default: the model's max_position_embeddings).
+    labels: names of the prompts in error messages (default "prompt i").
     schedule: a tuned `specjax.schedule.Schedule` or its YAML path: the bucket of batch_size
       picks the draft shape (with draft=None, the schedule's own drafter spec is built).
     prompt_ids: a stable int or str per prompt (default: its index), which alone with the seed
@@ -475,41 +589,45 @@ def iter_generate(
     The prompts' types and every option are checked before the model loads (TypeError /
     ValueError / PromptError naming the row or argument); the prompts' lengths once tokenized.
     """
-    prompts, labels = text_prompts(prompts, labels)
-    stops = stop_strings(stop)
-    check_options(max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, max_len=max_len,
-                  drafter=draft)
-    row_key_ids(prompt_ids, len(prompts))
-    SamplingParams.make(temperature, top_k, top_p)
-    model = _loaded(model, dtype)
-    cfg, params, tokenizer = model.cfg, model.params, model.tokenizer
-    eos_ids = tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
-    ids = [tokenizer.encode_chat(p) if chat else tokenizer.encode(p) for p in prompts]
-    batches_of_results = iter_generate_ids(
-        cfg, params, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, eos_ids=eos_ids, stop_token_seqs=tokenizer.stop_sequences(stops),
-        batch_size=batch_size, max_len=max_len, drafter=draft, drafter_params=drafter_params,
-        schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
+    rows, labels = text_level_prompts(prompts, labels)
+    generation = GenerationConfig.resolve(config, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_k=top_k, top_p=top_p,
+                                          stop=stop, eos_ids=eos_ids)
+    job = job_key(seed, key)
+    choice = draft_choice(draft, num_draft, tree, drafter_params)
+    check_sizes(batch_size, max_len)
+    row_key_ids(prompt_ids, len(rows))
+    model = loaded(model, dtype)
+    tokenizer = model.tokenizer
+    if generation.eos_ids is None:
+        generation = dataclasses.replace(generation, eos_ids=model_eos_ids(model))
+    batches_of_results = id_job(
+        model.cfg, model.params, [row.encode(tokenizer, chat) for row in rows], generation, job,
+        choice, stop_token_seqs=tokenizer.stop_sequences(generation.stop), batch_size=batch_size,
+        max_len=max_len, schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model,
+        dtype=dtype,
     )
-    return _generations(tokenizer, prompts, batches_of_results, stops, eos_ids)
+    return _generations(tokenizer, rows, batches_of_results, generation)
 
 
-def _generations(tokenizer, prompts: list[str], batches_of_results, stops: list[str], eos_ids):
+def _generations(tokenizer, rows: list[Prompt], batches_of_results, generation: GenerationConfig):
     """(start, Generations) of each batch of (start, TokenResults), stop strings applied."""
     for start, results in batches_of_results:
         out = []
         for j, res in enumerate(results):
-            text, token_ids, reason = truncate_at_stop(tokenizer, res.token_ids, res.stop_reason, stops, eos_ids)
+            text, token_ids, reason = truncate_at_stop(tokenizer, res.token_ids, res.stop_reason,
+                                                       generation.stop, generation.eos_ids)
             out.append(Generation(
-                prompt=prompts[start + j], completion=text, token_ids=token_ids,
+                prompt=rows[start + j].given, completion=text, token_ids=token_ids,
                 num_new_tokens=len(token_ids), stop_reason=reason, time_s=res.time_s, spec=res.spec,
             ))
         yield start, out
 
 
-def generate(model, prompts: str | Sequence[str], **kwargs) -> list[Generation]:
-    """Generates a completion for each prompt (text in, text out); see `iter_generate`.
+def generate(model, prompts, **options) -> list[Generation]:
+    """Generates a completion for each prompt, in order; see `iter_generate` for the options.
 
-    >>> generate("smollm2-135m", ["Name three primes."], max_new_tokens=32)
+    >>> generate("smollm2-135m", ["Name three primes."], draft="ngram", num_draft=4)
+    >>> generate(model, [[{"role": "user", "content": "Hi"}]], config=GenerationConfig(max_new_tokens=32))
     """
-    return [g for _, batch in iter_generate(model, prompts, **kwargs) for g in batch]
+    return [g for _, batch in iter_generate(model, prompts, **options) for g in batch]

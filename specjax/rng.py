@@ -1,7 +1,8 @@
 """Per-row PRNG keys: a row's random draws depend only on (seed, its prompt's key id, its step).
 
-On the host, `job_row_keys(seed, key_ids)` gives every prompt of a job its own key
-fold_in(PRNGKey(seed), key id) `[N, 2]` uint32; the key id is the prompt's index in the job or a
+On the host, `job_row_keys(job_key, key_ids)` gives every prompt of a job its own key
+fold_in(job key, key id) `[N, 2]` uint32 (the job key: `seed_key(seed)` or the caller's own key
+as `raw_key(key)`); the key id is the prompt's index in the job or a
 stable id the caller gives (`prompt_key_id`: ints as they are, strings by CRC-32, never Python's
 salted hash()). Inside a program, a row draws a step's randomness from
 fold_in(row key, tokens the row has emitted so far) (`step_keys`), so the same prompt with the
@@ -35,12 +36,32 @@ def prompt_key_id(prompt_id) -> int:
     raise TypeError(f"a prompt id must be an int or a str, got {type(prompt_id).__name__} {prompt_id!r}")
 
 
-def job_row_keys(seed: int, key_ids: Sequence[int]) -> np.ndarray:
-    """`[N, 2]` uint32 row keys fold_in(PRNGKey(seed), key_ids[i]) (key ids in [0, 2^32))."""
+def seed_key(seed: int) -> np.ndarray:
+    """`[2]` uint32: PRNGKey(seed), the job key of an int seed in [0, 2^32)."""
+    return np.asarray(jax.random.PRNGKey(seed))
+
+
+def raw_key(key) -> np.ndarray:
+    """`[2]` uint32: a JAX PRNG key as raw data, from a raw `[2]` uint32 key or a typed threefry
+    key (`jax.random.key(...)`). TypeError / ValueError for anything else."""
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    data = np.asarray(key)
+    if data.dtype != np.uint32:
+        raise TypeError(f"key must be a JAX PRNG key (jax.random.key / PRNGKey), got an array of "
+                        f"{data.dtype}")
+    if data.shape != (2,):
+        raise ValueError(f"key must be ONE threefry PRNG key (raw shape (2,)), got raw shape {data.shape}")
+    return data
+
+
+def job_row_keys(job_key: np.ndarray, key_ids: Sequence[int]) -> np.ndarray:
+    """`[N, 2]` uint32 row keys fold_in(job_key, key_ids[i]); job_key `[2]` uint32 (`seed_key`,
+    `raw_key`), key ids in [0, 2^32)."""
     if len(key_ids) == 0:
         return np.zeros((0, 2), np.uint32)
     ids = np.asarray(key_ids, np.uint32)
-    return np.asarray(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed), ids))
+    return np.asarray(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jnp.asarray(job_key), ids))
 
 
 def _is_one_key(key: jax.Array) -> bool:

@@ -13,24 +13,34 @@ from helpers import tiny_config, tiny_vocab, write_hf
 from specjax.api import PromptError, generate, generate_ids, iter_generate, iter_generate_ids
 from specjax.cli import main
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.registry import available_drafters
 from specjax.models.llama import init_params
+from specjax.options import GenerationConfig
 from specjax.tree import chain
 
 # A model name that cannot load: every case below must fail on its arguments first.
 UNLOADABLE = "/nonexistent/model/never-loaded"
 
+NOT_A_PROMPT = "must be a str, a chat (list of messages) or a sequence of token ids, got"
+NOT_PROMPTS = "prompts must be a str, a chat or a sequence of prompts, got"
+KINDS = str(available_drafters())
+
 TEXT_CASES = [
     # (prompts, options, exception, message substring)
-    ([123], {}, TypeError, "prompt 0 must be a str, got int 123"),
-    (None, {}, TypeError, "prompts must be a str or a sequence of str, got NoneType"),
-    ([b"hello"], {}, TypeError, "prompt 0 must be a str, got bytes"),
-    ([{"prompt": "hello"}], {}, TypeError, "prompt 0 must be a str, got dict"),
-    ({"prompt": "hello"}, {}, TypeError, "prompts must be a str or a sequence of str, got dict"),
-    (b"hello", {}, TypeError, "prompts must be a str or a sequence of str, got bytes"),
-    (42, {}, TypeError, "prompts must be a str or a sequence of str, got int"),
-    (["fine", None], {}, TypeError, "prompt 1 must be a str, got NoneType"),
-    (["fine", 5], {"labels": ["in.jsonl:1", "in.jsonl:2"]}, TypeError, "in.jsonl:2 must be a str"),
+    ([123], {}, TypeError, f"prompt 0 {NOT_A_PROMPT} int 123 (one token-id prompt is a list"),
+    (None, {}, TypeError, f"{NOT_PROMPTS} NoneType"),
+    ([b"hello"], {}, TypeError, f"prompt 0 {NOT_A_PROMPT} bytes"),
+    ([{"prompt": "hello"}], {}, TypeError,  # one chat, whose message is not one
+     "prompt 0: message 0 must be a mapping with a str 'role' and a str 'content', got dict"),
+    ([[{"role": "user", "content": "hi"}, {"role": "user"}]], {}, TypeError, "prompt 0: message 1"),
+    ({"prompt": "hello"}, {}, TypeError, f"{NOT_PROMPTS} dict"),
+    (b"hello", {}, TypeError, f"{NOT_PROMPTS} bytes"),
+    (42, {}, TypeError, f"{NOT_PROMPTS} int"),
+    (["fine", None], {}, TypeError, f"prompt 1 {NOT_A_PROMPT} NoneType"),
+    (["fine", 5], {"labels": ["in.jsonl:1", "in.jsonl:2"]}, TypeError, f"in.jsonl:2 {NOT_A_PROMPT}"),
+    (["fine", [1, 2.5]], {}, TypeError, "prompt 1 has a non-integer token id at position 1"),
     (["fine", "  "], {}, PromptError, "prompt 1 is empty"),
+    (["fine", []], {}, PromptError, "prompt 1 is empty"),
     (["a", "b"], {"labels": ["only one"]}, ValueError, "labels has 1 entries for 2 prompts"),
     (["a"], {"batch_size": -1}, ValueError, "batch_size must be an integer >= 1, got -1"),
     (["a"], {"batch_size": 0}, ValueError, "batch_size must be an integer >= 1, got 0"),
@@ -43,7 +53,25 @@ TEXT_CASES = [
     (["a"], {"seed": -1}, ValueError, "seed must be an integer in [0, 4294967296), got -1"),
     (["a"], {"seed": 2**40}, ValueError, "seed must be an integer in [0, 4294967296)"),
     (["a"], {"max_len": 0}, ValueError, "max_len must be an integer >= 1"),
-    (["a"], {"draft": "ngram"}, TypeError, "the drafter must be a specjax Drafter"),
+    (["a"], {"draft": "nope"}, ValueError, f"unknown drafter 'nope'; choose from {KINDS}"),
+    (["a"], {"draft": 42}, ValueError, f"draft must be a drafter spec (one of {KINDS}"),
+    (["a"], {"draft": NgramDrafter}, ValueError, "draft must be a drafter spec"),
+    (["a"], {"draft": "ngram:abc"}, ValueError, "ngram: expected N or A-B"),
+    (["a"], {"draft": "ngram", "num_draft": 0}, ValueError, "num_draft must be in [1, 64]"),
+    (["a"], {"draft": "ngram", "num_draft": 2, "tree": "chain4"}, ValueError, "not both"),
+    (["a"], {"draft": "ngram", "tree": "no_such_tree"}, ValueError, "unknown tree 'no_such_tree'"),
+    (["a"], {"num_draft": 2}, ValueError, "give draft= too"),
+    (["a"], {"draft": "ngram", "drafter_params": {}}, ValueError, "drop drafter_params="),
+    (["a"], {"draft": (NgramDrafter(tree=chain(2)), None), "drafter_params": {}}, ValueError, "carries its params"),
+    (["a"], {"config": GenerationConfig(temperature=0.5), "max_new_tokens": 4}, ValueError,
+     "max_new_tokens given both in config= and as keyword arguments"),
+    (["a"], {"config": {"temperature": 0.5}}, TypeError, "config must be a specjax.GenerationConfig"),
+    (["a"], {"config": GenerationConfig(), "top_p": 2.0, "stop": "x"}, ValueError, "stop, top_p given both"),
+    (["a"], {"seed": 1, "key": jax.random.PRNGKey(0)}, ValueError, "give seed= or key=, not both"),
+    (["a"], {"key": 5}, TypeError, "key must be a JAX PRNG key"),
+    (["a"], {"key": np.zeros(3, np.uint32)}, ValueError, "raw shape (3,)"),
+    (["a"], {"eos_ids": ["x"]}, TypeError, "eos_ids[0] must be an integer token id, got str"),
+    (["a"], {"dtype": "float64"}, ValueError, "unsupported dtype 'float64'"),
     (["a"], {"prompt_ids": [1.5]}, TypeError, "prompt_ids[0] must be an int or a str, got float"),
     (["a"], {"prompt_ids": [1, 2]}, ValueError, "prompt_ids has 2 entries for 1 prompts"),
     (["a"], {"prompt_ids": "a"}, TypeError, "prompt_ids must be a sequence of ints or strs"),
@@ -56,7 +84,7 @@ TEXT_CASES = [
 @pytest.mark.parametrize("prompts,options,error,message", TEXT_CASES,
                          ids=[f"{i}-{c[3][:30]}" for i, c in enumerate(TEXT_CASES)])
 def test_text_api_refuses_bad_arguments_before_loading(prompts, options, error, message):
-    options = {"max_new_tokens": 4, **options}
+    options = options if "config" in options else {"max_new_tokens": 4, **options}
     with pytest.raises(error) as info:
         generate(UNLOADABLE, prompts, **options)
     assert message in str(info.value)
@@ -87,8 +115,12 @@ ID_CASES = [
     ([[1, -3]], {"labels": ["row-a"]}, PromptError, "row-a has token ids outside the vocabulary"),
     ([[1] * 28], {"max_len": 32}, PromptError, "needs 36 cache entries, more than max_len=32"),
     # 20 prompt + 8 new + 5 (a chain of 4 drafts and the root) > 32
-    ([[1] * 20], {"max_len": 32, "drafter": NgramDrafter(tree=chain(4))}, PromptError,
+    ([[1] * 20], {"max_len": 32, "draft": NgramDrafter(tree=chain(4))}, PromptError,
      "with max_new_tokens=8 + 5 for drafting it needs 33 cache entries, more than max_len=32"),
+    ([[1] * 20], {"max_len": 32, "draft": "ngram"}, PromptError, "+ 5 for drafting"),  # chain of 4
+    ([[1] * 23], {"max_len": 32, "draft": "ngram", "num_draft": 1}, PromptError, "+ 2 for drafting"),
+    ([[1]], {"draft": "ngram", "drafter": NgramDrafter(tree=chain(4))}, ValueError, "give draft= only"),
+    ([[1]], {"config": GenerationConfig(stop="x")}, ValueError, "stop strings need the tokenizer"),
 ]
 
 
@@ -96,7 +128,7 @@ ID_CASES = [
                          ids=[f"{i}-{c[3][:30]}" for i, c in enumerate(ID_CASES)])
 def test_id_api_refuses_bad_arguments(tiny_model, prompts, options, error, message):
     cfg, params = tiny_model
-    options = {"max_new_tokens": 8, **options}
+    options = options if "config" in options else {"max_new_tokens": 8, **options}
     with pytest.raises(error) as info:
         iter_generate_ids(cfg, params, prompts, **options)  # raised at the call
     assert message in str(info.value)
@@ -115,7 +147,7 @@ def test_id_api_takes_numpy_integer_ids(tiny_model):
 # ---- per-prompt sampling keys ----------------------------------------------------------------
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9, 7, 8, 9], [10, 11, 12], [13, 14, 13, 14, 13], [20, 21]]
-MODES = {"ar": {}, "ngram": {"drafter": NgramDrafter(tree=chain(3))}}
+MODES = {"ar": {}, "ngram": {"draft": NgramDrafter(tree=chain(3))}}
 
 
 def sampled(model, prompts, mode: str, **options) -> list[list[int]]:

@@ -52,7 +52,7 @@ def test_spec_program_compiles_once_per_bucket(model):
     cfg, params = model
     drafter = NgramDrafter(tree=k_ary((2, 1)))
     run = lambda prompts, n: generate_ids(cfg, params, prompts, max_new_tokens=n, eos_ids=[],  # noqa: E731
-                                          drafter=drafter, batch_size=2)
+                                          draft=drafter, batch_size=2)
     run(PROMPTS, 9)
     size = spec_generate_program._cache_size()
     run([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], 14)

@@ -110,9 +110,9 @@ CASES = [
     ([*GEN, "--tuned", "{tmp}/malformed.yaml"], "schedule {tmp}/malformed.yaml: malformed YAML"),
     ([*GEN, "--tuned", "{tmp}/sched_v9.yaml"], "sched_v9.yaml: not a version-1 draft schedule"),
     ([*GEN, "--tuned", "{tmp}/sched_no_buckets.yaml"], "sched_no_buckets.yaml: needs a 'buckets' list"),
-    ([*GEN, "--tuned", "{tmp}/sched_bad_bucket.yaml"], "sched_bad_bucket.yaml: bad bucket (missing field 'batch_size')"),
-    ([*GEN, "--tuned", "{tmp}/sched_bad_tree.yaml"], "sched_bad_tree.yaml: bad bucket (unknown tree 'nope'"),
-    ([*GEN, "--tuned", "{tmp}/sched_huge.yaml"], "sched_huge.yaml: bad bucket (chain depth must be in [1, 64]"),
+    ([*GEN, "--tuned", "{tmp}/sched_bad_bucket.yaml"], "sched_bad_bucket.yaml: bad entry under 'buckets' (missing field 'batch_size')"),
+    ([*GEN, "--tuned", "{tmp}/sched_bad_tree.yaml"], "sched_bad_tree.yaml: bad entry under 'buckets' (unknown tree 'nope'"),
+    ([*GEN, "--tuned", "{tmp}/sched_huge.yaml"], "sched_huge.yaml: bad entry under 'buckets' (chain depth must be in [1, 64]"),
     ([*GEN, "--tuned", "{tmp}/sched_no_draft.yaml"], "the schedule names no drafter; pass --draft"),
     ([*GEN, "--tuned", "{tmp}/sched_bad_draft.yaml"], "sched_bad_draft.yaml: draft 'nope': unknown drafter"),
     # prompts and outputs

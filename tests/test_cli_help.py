@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import io
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,33 @@ def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     shown, text = bar_output(Terminal(), monkeypatch)
     assert shown and "2/2" in text
     assert bar_output(Terminal(), monkeypatch, enabled=False) == (False, "")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(file, command) for each `specjax ...` line of a bash block in the README and docs/,
+    continuation lines joined, comments and bracketed optional parts dropped (lines that
+    abbreviate with "..." are left out)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = re.sub(r"\[[^\]]*\]", "", line.split(" # ")[0]).strip()
+                if command.startswith("specjax ") and "..." not in command:
+                    found.append((path.name, command))
+    return found
+
+
+def test_every_subcommand_is_documented_in_the_readme():
+    readme = {shlex.split(c)[1] for f, c in documented_commands() if f == "README.md"}
+    assert set(subcommand_parsers()) <= readme
+
+
+@pytest.mark.parametrize("where,command", documented_commands())
+def test_documented_commands_parse(where, command, capsys):
+    try:
+        build_parser().parse_args(shlex.split(command)[1:])
+    except SystemExit:
+        pytest.fail(f"{where}: `{command}` does not parse: {capsys.readouterr().err}")

@@ -183,7 +183,8 @@ def add_draft_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                        help="draft a tree instead of a chain: a preset name (configs/trees/) or "
                             "a YAML file (default: a chain)")
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser,
+                      batch_size_help: str = "prompts per batch") -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128,
                    help="new tokens per prompt at most")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
@@ -194,7 +195,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sample among the most likely tokens whose probabilities sum to P, "
                         "in (0, 1] (default: off)")
     p.add_argument("--seed", type=seed, default=0, help="PRNG seed of the sampling, in [0, 2**32)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch")
+    p.add_argument("--batch-size", type=positive_int, default=8, help=batch_size_help)
     p.add_argument("--no-chat", action="store_true",
                    help="encode prompts as plain text, without the model's chat template")
     p.add_argument("--stop", action="append", type=non_empty_text, default=None,

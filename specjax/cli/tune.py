@@ -68,7 +68,8 @@ def cmd_tune(args) -> int:
 def add_parser(sub) -> None:
     tune = add_subcommand(sub, "tune", "pick the draft length per batch size; write a schedule")
     add_model_args(tune)
-    add_sampling_args(tune)
+    add_sampling_args(tune, batch_size_help="prompts per batch of the calibration runs (the "
+                      "candidates are measured at each of --batch-sizes)")
     add_dataset_args(tune)
     tune.add_argument("--draft", required=True, help=DRAFTER_HELP + ", whose draft shape is tuned")
     tune.add_argument("--batch-sizes", default="1,4,16,64",

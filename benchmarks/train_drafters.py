@@ -46,7 +46,7 @@ def evaluate(model, prompts, drafter, dparams, max_new: int, batch_size: int) ->
 
     start = time.perf_counter()
     res = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
-                       batch_size=batch_size, drafter=drafter, drafter_params=dparams)
+                       batch_size=batch_size, draft=drafter, drafter_params=dparams)
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in res)
     out = {"tokens": tokens, "wall_s": round(elapsed, 2), "tok_s": round(tokens / elapsed, 2)}

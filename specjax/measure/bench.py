@@ -148,7 +148,7 @@ def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_ne
         model.cfg, model.params, ids, max_new_tokens=max_new_tokens, temperature=run.temperature,
         top_k=run.top_k, top_p=run.top_p, seed=run.seed, batch_size=run.batch_size,
         eos_ids=() if run.ignore_eos else None, stop_token_seqs=run.stop_token_seqs,
-        drafter=drafter, drafter_params=drafter_params,
+        draft=drafter, drafter_params=drafter_params,
     )
 
 

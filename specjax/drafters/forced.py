@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import yaml
 
 from specjax.drafters.base import Drafter
+from specjax.gather import take_rows
 from specjax.rng import per_row, sample_rows, split_rows
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
@@ -57,7 +58,7 @@ def accept_forced(
 
     target_logits `[B, 1 + N, V]`, draft.tokens/valid `[B, N]` -> AcceptResult (see types).
     """
-    from specjax.accept import _all_ancestors, _at_row, _deepest, _result
+    from specjax.accept import _all_ancestors, _deepest, _result
 
     batch, num_nodes = draft.tokens.shape
     key_coins, key_next = split_rows(key, batch, 2)  # [B, 2] each
@@ -65,7 +66,7 @@ def accept_forced(
     coins = per_row(key_coins, batch, lambda k: jax.random.uniform(k, (num_nodes,), jnp.float32))
     passed = draft.valid & (coins < pass_prob[None, :])
     last = _deepest(_all_ancestors(passed, tree), tree)
-    return _result(last, sample_rows(key_next, _at_row(target_logits, last), sampling), tree)
+    return _result(last, sample_rows(key_next, take_rows(target_logits, last), sampling), tree)
 
 
 def expected_accepted(tree: TreeSpec, conditional: Sequence[float]) -> float:

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from specjax.api import generate_ids
-from specjax.prompt_io import read_prompts
 from specjax.models.hub import load_model
+from specjax.prompt_io import read_prompts
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
 

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         ar = decode_rate(model, ids, run, repeats=s["repeats"])
         say(f"B={b}: AR {ar['tokens_per_s']:.1f} tok/s")
         measured = {"0": ar["tokens_per_s"]}
-        for i, d in enumerate(s["draft_lengths"]):
+        for d in s["draft_lengths"]:
             drafter, params = drafters[str(d)]
             spec = decode_rate(model, ids, run, drafter, params, repeats=s["repeats"])
             if spec["tokens_per_s"] is None or ar["tokens_per_s"] is None:

@@ -158,7 +158,7 @@ def guarded(record: dict, measure) -> dict:
     """Runs `measure()` -> dict of results into `record`; an exception becomes record['error']."""
     try:
         record.update(measure())
-    except Exception as exc:  # noqa: BLE001 - one failing point must not end the run
+    except Exception as exc:
         record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return record
 

@@ -36,11 +36,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from specjax.drafters.ngram import NgramDrafter
 from specjax.measure.bench import RunConfig, encode_by_category, generate_batches, warm_up
 from specjax.measure.datasets import load_prompt_set, select_rows
-from specjax.drafters.ngram import NgramDrafter
-from specjax.models.hub import load_model
 from specjax.measure.profile import ar_step_timer, interleaved_medians, step_timer
+from specjax.models.hub import load_model
 from specjax.tree import chain
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"

@@ -13,6 +13,7 @@ Targets (issue 3): ngram on summarization >= 2.0x specjax AR and >= 1.2x HF prom
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -104,8 +105,9 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d"), "command": ["python", "benchmarks/spec_vs_ar.py", *(argv or sys.argv[1:])],
               "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft, "categories": {}}
     for category in [*groups, "overall"]:
-        pick = (lambda m: records[m][category]) if category != "overall" else (
-            lambda m: merged(list(records[m].values())))
+        pick = functools.partial(
+            lambda m, c: records[m][c] if c != "overall" else merged(list(records[m].values())),
+            c=category)
         ar = mode_stats(pick("ar"))["tokens_per_s"]
         entry = {"ar_tokens_per_s": ar, "drafters": {}}
         for d in args.drafts:

@@ -291,7 +291,7 @@ class Tokenizer:
             raise CheckpointError(root, "missing tokenizer.json")
         try:
             backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
+        except Exception as e:
             raise CheckpointError(root / "tokenizer.json", f"unreadable tokenizer: {e}") from None
         config = _read_json(root / "tokenizer_config.json")
         template = config.get("chat_template")

@@ -30,7 +30,7 @@ def test_replay_counts_steps_after_the_prefill_token(ceiling):
     prompt, output = [7, 1, 2, 3, 7], [1, 2, 3, 4, 8]
     # prefill emits 1; step 1 drafts [2, 3, 7] after the matched [7, 1]: accepts 2 + the target's 4;
     # step 2 finds nothing after 4 and emits 8.
-    fn = lambda c, f: ceiling.tree_acceptance(c, f, 4, 1)  # noqa: E731
+    fn = lambda c, f: ceiling.tree_acceptance(c, f, 4, 1)
     assert ceiling.replay(prompt, output, fn) == (2, 2)
 
 

@@ -51,7 +51,7 @@ def test_spec_program_runs_without_host_transfers(model):
 def test_spec_program_compiles_once_per_bucket(model):
     cfg, params = model
     drafter = NgramDrafter(tree=k_ary((2, 1)))
-    run = lambda prompts, n: generate_ids(cfg, params, prompts, max_new_tokens=n, eos_ids=[],  # noqa: E731
+    run = lambda prompts, n: generate_ids(cfg, params, prompts, max_new_tokens=n, eos_ids=[],
                                           draft=drafter, batch_size=2)
     run(PROMPTS, 9)
     size = spec_generate_program._cache_size()

@@ -102,7 +102,7 @@ def candidates_to_draft(cand_tokens: jax.Array, cand_valid: jax.Array, tree: Tre
     consistent = [jnp.ones((batch, num_cand), bool)]
     tokens, valid = [], []
     earlier = jnp.tril(jnp.ones((num_cand, num_cand), bool), k=-1)  # [K, K] c' < c
-    for node, (parent, rank, depth) in enumerate(zip(tree.parents, tree.ranks, tree.depth)):
+    for parent, rank, depth in zip(tree.parents, tree.ranks, tree.depth):
         ok = consistent[parent + 1] & cand_valid[:, :, depth - 1]  # [B, K]
         tok = cand_tokens[:, :, depth - 1]  # [B, K]
         same = tok[:, :, None] == tok[:, None, :]  # [B, K, K']

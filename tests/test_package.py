@@ -45,3 +45,17 @@ clash = sorted(m for m in sys.modules if m.split(".")[0] in ("models", "kernels"
 assert not clash, clash
 """
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)
+
+
+def test_pyproject_lists_every_package_folder():
+    """A subpackage missing from [tool.setuptools] packages would be left out of a wheel."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    folders = {name: ROOT / path for name, path in config["package-dir"].items()}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *parts)))
+    assert found <= set(config["packages"]), sorted(found - set(config["packages"]))

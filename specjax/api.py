@@ -490,6 +490,8 @@ def generate_ids(target: TargetModel | ModelConfig, params, prompts: Sequence[Se
 
     >>> generate_ids(cfg, params, [[1, 2, 3]], draft="ngram", num_draft=4, max_new_tokens=32)
     """
+    if "drafter" in options:  # the deprecated name, resolved here so the warning names the caller
+        options["draft"] = renamed_drafter(options.get("draft"), options.pop("drafter"))
     return [r for _, batch in iter_generate_ids(target, params, prompts, **options) for r in batch]
 
 

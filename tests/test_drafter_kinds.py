@@ -30,6 +30,7 @@ def test_each_record_names_its_own_config_and_is_documented(name):
     head = make_head_config(name, cfg)
     assert type(head) is kind.config and head.kind == name
     assert kind.drafter(tree=chain(1), head=head).name == name
+    assert kind.drafter.module_class is kind.model  # the drafter runs the record's module
     assert f"`{name}`" in DOCS.read_text()
 
 

@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import Drafter
 from specjax.drafters.learned.blocks import (
     HeadLayer,
     TargetView,
@@ -63,8 +61,8 @@ from specjax.drafters.learned.blocks import (
     prefix_mask,
 )
 from specjax.drafters.learned.drafting import (
+    HeadDrafter,
     accepted_rows,
-    check_head_target,
     draft_levels,
     make_draft,
 )
@@ -279,41 +277,15 @@ class BlockState:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockDrafter(Drafter):
+class BlockDrafter(HeadDrafter):
     """DFlash drafting: the tree's depth must not exceed the head's num_draft (DSpark
     subclasses it with its own `module_class`)."""
 
-    module_class: ClassVar[type[nn.Module]] = DFlashModel
-    head: DFlashConfig | None = None
-
-    def __post_init__(self):
-        if self.head is None:
-            raise ValueError(f"{type(self).__name__} needs a head config")
-        if self.tree.max_depth > self.head.num_draft:
-            raise ValueError(
-                f"a {self.head.kind} head with block size {self.head.block_size} drafts at most "
-                f"{self.head.num_draft} tokens per round; the tree is {self.tree.max_depth} deep"
-            )
-        if not self.hidden_layers:
-            object.__setattr__(self, "hidden_layers", tuple(self.head.hidden_layers))
+    module_class = DFlashModel
 
     @property
-    def name(self) -> str:
-        return self.head.kind
-
-    @property
-    def model(self) -> nn.Module:
-        return self.module_class(self.head)
-
-    @property
-    def view(self) -> TargetView:
-        return TargetView(self.head.target)
-
-    def check_target(self, target_cfg) -> None:
-        check_head_target(self.head, target_cfg)
-
-    def _call(self, params, method, *args):
-        return self.model.apply(params["head"], *args, method=method)
+    def deepest_draft(self) -> int:
+        return self.head.num_draft
 
     def _ingest(self, params, state: BlockState, layer_hidden, new_lengths) -> BlockState:
         """Feature rows (each `[B, T, H]`) of positions lengths.. -> context cache."""

@@ -7,19 +7,23 @@
   what makes `specjax.accept.accept_sampling` lossless.
 - `accepted_rows`: the verify rows of the accepted path (root + accepted nodes), i.e. the
   target features a drafter ingests after each step.
-- `path_log_probs` / `prefix_valid`: per-node validity from path scores (dynamic pruning
+- `path_log_probs` / `make_draft`: per-node validity from path scores (dynamic pruning
   inside the static node budget; invalid nodes are never accepted).
-- `drafter_params`, `check_head_target`: the params pytree every learned drafter takes, and the
-  check that a head was built for the target it drafts for.
+- `HeadDrafter`: the base of the learned drafters (a head config, its Flax module, the
+  target views, the depth check); `drafter_params`: the params pytree they take.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.base import Drafter
 from specjax.drafters.draft_model import draw_children, tree_levels
 from specjax.drafters.learned.blocks import TargetView
 from specjax.rng import split_rows
@@ -112,3 +116,50 @@ def check_head_target(head_cfg, target_cfg) -> None:
                 f"{getattr(ours, field)}, this target ({target_cfg.name!r}) has "
                 f"{getattr(target_cfg, field)}"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter(Drafter):
+    """A drafter driven by a learned head: `head` is the kind's head config, `module_class` (set
+    by each subclass) its Flax module; the drafter reads the target layers the head reads.
+
+    Drafter params: `{"head": the head's variables, "target": TargetView.parts(target params)}`
+    (`drafter_params`).
+    """
+
+    module_class: ClassVar[type[nn.Module]]
+    head: Any = None
+
+    def __post_init__(self):
+        if self.head is None:
+            raise ValueError(f"{type(self).__name__} needs a head config")
+        deepest = self.deepest_draft
+        if deepest is not None and self.tree.max_depth > deepest:
+            raise ValueError(f"a {self.head.kind} head drafts at most {deepest} tokens per round; "
+                             f"the tree is {self.tree.max_depth} deep")
+        if not self.hidden_layers:
+            object.__setattr__(self, "hidden_layers", tuple(self.head.hidden_layers))
+
+    @property
+    def deepest_draft(self) -> int | None:
+        """The deepest tree the head can fill (None: any depth)."""
+        return None
+
+    @property
+    def name(self) -> str:
+        return self.head.kind
+
+    def check_target(self, target_cfg) -> None:
+        check_head_target(self.head, target_cfg)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.module_class(self.head)
+
+    @property
+    def view(self) -> TargetView:
+        return TargetView(self.head.target)
+
+    def _call(self, params, method, *args):
+        """The head module's `method` on args, with the drafter params' head variables."""
+        return self.model.apply(params["head"], *args, method=method)

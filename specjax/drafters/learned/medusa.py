@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import Drafter
 from specjax.drafters.learned.blocks import TargetView
 from specjax.drafters.learned.drafting import (
+    HeadDrafter,
     accepted_rows,
-    check_head_target,
     draft_levels,
     make_draft,
 )
@@ -95,22 +94,12 @@ class MedusaState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(Drafter):
-    head: MedusaConfig | None = None
-
-    def __post_init__(self):
-        if self.head is None:
-            raise ValueError("MedusaDrafter needs a head config")
-        if self.tree.max_depth > self.head.num_heads:
-            raise ValueError(f"{self.head.num_heads} Medusa heads draft at most that many tokens; "
-                             f"the tree is {self.tree.max_depth} deep")
+class MedusaDrafter(HeadDrafter):
+    module_class = MedusaModel
 
     @property
-    def name(self) -> str:
-        return self.head.kind
-
-    def check_target(self, target_cfg) -> None:
-        check_head_target(self.head, target_cfg)
+    def deepest_draft(self) -> int:
+        return self.head.num_heads
 
     def init(self, params, batch_size: int, width: int) -> MedusaState:
         t = self.head.target
@@ -124,8 +113,8 @@ class MedusaDrafter(Drafter):
         return MedusaState(hidden=take_rows(rows, result.num_accepted))
 
     def propose(self, params, state: MedusaState, decode, key, sampling):
-        outs = MedusaModel(self.head).apply(params["head"], state.hidden)  # [K, B, H]
-        logits = TargetView(self.head.target).logits(params["target"], outs)  # [K, B, V]
+        outs = self._call(params, None, state.hidden)  # [K, B, H]
+        logits = self.view.logits(params["target"], outs)  # [K, B, V]
 
         def expand(level, tokens, carry):
             return logits[level + 1][:, None], carry

@@ -23,7 +23,7 @@ Drafter params: `{"head": the head's variables, "target": TargetView.parts(targe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Drafter
 from specjax.drafters.learned.blocks import (
     TargetView,
     attention,
@@ -41,8 +40,8 @@ from specjax.drafters.learned.blocks import (
     shift_left,
 )
 from specjax.drafters.learned.drafting import (
+    HeadDrafter,
     accepted_rows,
-    check_head_target,
     draft_levels,
     gather_tokens,
     make_draft,
@@ -112,7 +111,7 @@ class SequentialState:
 
 
 @dataclasses.dataclass(frozen=True)
-class SequentialDrafter(Drafter):
+class SequentialDrafter(HeadDrafter):
     """Drafting with a sequential head over a chain or a static tree (a kind's subclass sets
     `module_class`, its Flax module).
 
@@ -120,35 +119,9 @@ class SequentialDrafter(Drafter):
       probability under the head (temperature 1) is below it is marked invalid (0 = off).
     """
 
-    module_class: ClassVar[type[nn.Module]]
-    head: object = None  # the kind's head config (Eagle3Config, MTPConfig)
     min_path_prob: float = 0.0
 
-    def __post_init__(self):
-        if self.head is None:
-            raise ValueError(f"{type(self).__name__} needs a head config")
-        if not self.hidden_layers:
-            object.__setattr__(self, "hidden_layers", tuple(self.head.hidden_layers))
-
-    @property
-    def name(self) -> str:
-        return self.head.kind
-
-    def check_target(self, target_cfg) -> None:
-        check_head_target(self.head, target_cfg)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.module_class(self.head)
-
-    @property
-    def view(self) -> TargetView:
-        return TargetView(self.head.target)
-
     # ---- the head's cell -------------------------------------------------------------------
-
-    def _call(self, params, method, *args):
-        return self.model.apply(params["head"], *args, method=method)
 
     def _features(self, params, target_out) -> jax.Array:
         """`[B, T, H]` fused features of a target forward's T rows."""

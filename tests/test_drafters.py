@@ -78,7 +78,7 @@ def run(prompts, draft=None, *, max_new=MAX_NEW, eos=(), **sampling):
     d, d_params = draft if draft is not None else (None, None)
     return generate_ids(
         CFG, target_params(), [list(p) for p in prompts], max_new_tokens=max_new,
-        eos_ids=list(eos), batch_size=BATCH, drafter=d, drafter_params=d_params, **sampling,
+        eos_ids=list(eos), batch_size=BATCH, draft=d, drafter_params=d_params, **sampling,
     )
 
 

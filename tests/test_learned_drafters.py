@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_accept import chi_square
+from helpers import chi_square, tiny_config
 
 from specjax.api import generate_ids
 from specjax.drafters.learned.blocks import TargetView
@@ -99,7 +98,7 @@ def toy():
 
 def run(cfg, params, prompts, drafter=None, dparams=None, **kwargs):
     kwargs = {"max_new_tokens": MAX_NEW, "eos_ids": (), "batch_size": ROWS, **kwargs}
-    return generate_ids(cfg, params, prompts, drafter=drafter, drafter_params=dparams, **kwargs)
+    return generate_ids(cfg, params, prompts, draft=drafter, drafter_params=dparams, **kwargs)
 
 
 def untrained(kind, cfg, params, tree, seed=1):

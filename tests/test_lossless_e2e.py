@@ -81,7 +81,7 @@ def sampled_triples(drafter_cls, tree) -> np.ndarray:
         results = generate_ids(
             target_cfg, target_params, [PROMPT] * ROWS, max_new_tokens=3, temperature=TEMPERATURE,
             top_k=TOP_K, top_p=TOP_P, seed=seed, eos_ids=[], batch_size=ROWS,
-            drafter=drafter, drafter_params=draft_params,
+            draft=drafter, drafter_params=draft_params,
         )
         samples += [r.token_ids for r in results]
     return np.asarray(samples)

@@ -53,7 +53,7 @@ def test_chain_replay_reproduces_the_engine(ceiling, tiny_model):
     prompts = [[3, 4, 5, 6, 3, 4, 5, 7, 3, 4], [9, 8, 9, 8, 9, 8, 2]]
     drafter = NgramDrafter(tree=chain(4))
     for prompt in prompts:
-        (res,) = generate_ids(cfg, params, [prompt], max_new_tokens=40, eos_ids=[], drafter=drafter)
+        (res,) = generate_ids(cfg, params, [prompt], max_new_tokens=40, eos_ids=[], draft=drafter)
         output = list(map(int, res.token_ids))
         steps, accepted = ceiling.replay(prompt, output, lambda c, f: ceiling.tree_acceptance(c, f, 4, 1))
         assert steps == res.spec["steps"] and steps + accepted + 1 == len(output)

@@ -180,7 +180,7 @@ DRAFTERS = {
 def run(cfg, params, prompts, drafter=None, drafter_params=None):
     return generate_ids(
         cfg, params, prompts, max_new_tokens=MAX_NEW, eos_ids=EOS, batch_size=4,
-        drafter=drafter, drafter_params=drafter_params,
+        draft=drafter, drafter_params=drafter_params,
     )
 
 

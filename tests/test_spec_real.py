@@ -48,7 +48,7 @@ def _spec(model, prompts, spec, tree, **kwargs):
     kwargs.setdefault("eos_ids", [])
     return generate_ids(
         model.cfg, model.params, prompts, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW),
-        drafter=drafter, drafter_params=drafter_params, **kwargs,
+        draft=drafter, drafter_params=drafter_params, **kwargs,
     )
 
 

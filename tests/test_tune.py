@@ -176,7 +176,7 @@ def test_generate_ids_with_schedule(tiny_model):
     drafter = ForcedDrafter(tree=chain(5), vocab_size=cfg.vocab_size)
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 9, 10]]
     spec = generate_ids(cfg, params, prompts, max_new_tokens=16, eos_ids=[], batch_size=2,
-                        drafter=drafter, drafter_params=forced_params((1.0, 0.0)), schedule=sched)
+                        draft=drafter, drafter_params=forced_params((1.0, 0.0)), schedule=sched)
     assert all(r.spec["conditional_acceptance"] == [1.0, 0.0] for r in spec)
     assert all(len(r.token_ids) == 16 for r in spec)
 

@@ -1,11 +1,19 @@
-"""jnp reference for verify attention: the XLA path and the oracle the Pallas kernel is tested against."""
+"""jnp reference attention: the XLA path of verify attention, the oracle the Pallas kernel is
+tested against, and the attention of the learned draft heads (`attention_over_parts`)."""
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-NEG_INF = -1e30
+#: the score of a masked key: finite, so a fully masked row keeps (m - m) and exp() NaN-free
+#: (its weight is then zeroed by the boolean mask itself); the one definition, used by the
+#: Pallas kernel and the learned heads' attention
+MASKED_SCORE = -1e30
 
 
 def nonfinite_poison(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -18,6 +26,67 @@ def nonfinite_poison(x: jax.Array, axis: int = -1) -> jax.Array:
 def finite_or_zero(x: jax.Array) -> jax.Array:
     """x with NaN / ±Inf entries replaced by 0 (same dtype)."""
     return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+class KVPart(NamedTuple):
+    """One source of keys for `attention_over_parts`.
+
+    k, v: `[B, S, KVH, Dh]` each; or with `cached=True` one layer of `KVCache` as it is stored,
+      keys `[B, KVH, Dh, S]` (transposed) and values `[B, KVH, S, Dh]`, read without a transpose.
+    mask: `[B | 1, T | 1, S]` bool, True = query t may see key s.
+    cached: cache layout, and values trusted to be finite (`models.cache.write` stores
+      non-finite K/V as 0: checking them here would double the decode attention's cost on CPU).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    cached: bool = False
+
+
+def attention_over_parts(q: jax.Array, parts: Sequence[KVPart], *, scale: float | None = None) -> jax.Array:
+    """Softmax attention of q `[B, T, Hq, Dh]` over the union of `parts` (GQA), in f32, under
+    ONE softmax without materialising a concatenated K/V. A query that sees nothing returns
+    zeros. Returns `[B, T, Hq, Dh]` in q's dtype.
+
+    Non-finite inputs: a query that may see (mask) a NaN / Inf in its own q, a visible key or
+    a visible value gets NaN; a query that may not see them stays finite, since masked scores
+    are replaced and masked weights are zeroed by the boolean masks, never by a score's value
+    (a threshold test `score > MASKED_SCORE / 2` is False for NaN and would silently drop it,
+    quieting a damaged head instead of flagging it). An uncached part's K/V enter through
+    `nonfinite_poison` (a bad key's score is NaN, then masked like any other) and its values
+    are zeroed for the P·V product (0·NaN would leak to every query).
+    """
+    num_kv_heads = parts[0].v.shape[1 if parts[0].cached else 2]
+    group = q.shape[2] // num_kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # The G query heads of a KV head times the T tokens form R = G*T rows (row r = g*T + t), so
+    # every product is a plain batched matmul over (b, kv head), straight from the cache layout.
+    rows = rearrange(q.astype(jnp.float32) * scale, "b t (kh g) d -> b kh (g t) d", kh=num_kv_heads)
+
+    def dot(spec, x, y):  # inputs in y's dtype (the cache's), f32 accumulation
+        return jnp.einsum(spec, x.astype(y.dtype), y, preferred_element_type=jnp.float32)
+
+    def row_mask(mask):  # [B | 1, T | 1, S] -> [B | 1, 1, R | 1, S]
+        return (mask if mask.shape[1] == 1 else jnp.tile(mask, (1, group, 1)))[:, None]
+
+    scores = []
+    for part in parts:
+        if part.cached:
+            s = dot("bhrd,bhds->bhrs", rows, part.k)
+        else:
+            poison = nonfinite_poison(part.k) + nonfinite_poison(part.v)  # [B, S, KVH]
+            s = dot("bhrd,bshd->bhrs", rows, part.k) + rearrange(poison, "b s h -> b h 1 s")
+        scores.append(jnp.where(row_mask(part.mask), s, MASKED_SCORE))
+    row_max = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    weights = [jnp.where(row_mask(p.mask), jnp.exp(s - row_max), 0.0) for s, p in zip(scores, parts)]
+    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    out = sum(
+        dot("bhrs,bhsd->bhrd", w, p.v) if p.cached else dot("bhrs,bshd->bhrd", w, finite_or_zero(p.v))
+        for w, p in zip(weights, parts)
+    )
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    return rearrange(out, "b kh (g t) d -> b t (kh g) d", t=q.shape[1]).astype(q.dtype)
 
 
 def verify_attention_reference(
@@ -56,35 +125,8 @@ def verify_attention_reference(
     non-finite K/V as 0; the token they came from saw them itself, so its logits are NaN and
     its row is flagged): masking them here would double the decode attention's cost on CPU.
     """
-    num_kv_heads = k_new.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # The G query heads of a KV head times the T tokens form R = G*T rows (row r = g*T + t), so
-    # both products are plain batched matmuls over (b, kv head) straight from the cache layout
-    # (no transpose of the cache: see models/cache.py).
-    rows = rearrange(q.astype(jnp.float32) * scale, "b t (kh g) d -> b kh (g t) d", kh=num_kv_heads)
-
-    def dot(spec, x, y):  # inputs in the cache dtype, f32 accumulation
-        return jnp.einsum(spec, x.astype(y.dtype), y, preferred_element_type=jnp.float32)
-
-    prefix_scores = dot("bhrd,bhds->bhrs", rows, k_cache)  # [B, KVH, R, S]
-    new_poison = nonfinite_poison(k_new) + nonfinite_poison(v_new)  # [B, T, KVH]
-    new_scores = dot("bhrd,bthd->bhrt", rows, k_new) + rearrange(new_poison, "b t h -> b h 1 t")
-    in_prefix = jnp.arange(k_cache.shape[3])[None, :] < lengths[:, None]  # [B, S]
-    row_mask = jnp.tile(tree_mask, (1, q.shape[2] // num_kv_heads, 1))  # [B, R, T]
-    prefix_scores = jnp.where(in_prefix[:, None, None, :], prefix_scores, NEG_INF)
-    new_scores = jnp.where(row_mask[:, None, :, :], new_scores, NEG_INF)
-    # One softmax over [prefix | new] without materialising a concatenated K/V.
-    row_max = jnp.maximum(
-        jnp.max(prefix_scores, axis=-1, keepdims=True), jnp.max(new_scores, axis=-1, keepdims=True)
+    in_prefix = jnp.arange(k_cache.shape[3])[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    return attention_over_parts(
+        q, [KVPart(k_cache, v_cache, in_prefix, cached=True), KVPart(k_new, v_new, tree_mask)],
+        scale=scale,
     )
-    # Weights zeroed by the boolean masks themselves, never by the score's value: a NaN score at a
-    # visible key must stay NaN (a threshold test `score > NEG_INF / 2` is False for NaN and
-    # would silently drop it, quieting a damaged head instead of flagging it).
-    prefix_w = jnp.where(in_prefix[:, None, None, :], jnp.exp(prefix_scores - row_max), 0.0)
-    new_w = jnp.where(row_mask[:, None, :, :], jnp.exp(new_scores - row_max), 0.0)
-    denom = jnp.sum(prefix_w, axis=-1, keepdims=True) + jnp.sum(new_w, axis=-1, keepdims=True)
-    out = dot("bhrs,bhsd->bhrd", prefix_w, v_cache) + dot(
-        "bhrt,bthd->bhrd", new_w, finite_or_zero(v_new)
-    )
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    return rearrange(out, "b kh (g t) d -> b t (kh g) d", t=q.shape[1]).astype(q.dtype)

@@ -47,9 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax.kernels.reference import finite_or_zero, nonfinite_poison
+from specjax.kernels.reference import MASKED_SCORE, finite_or_zero, nonfinite_poison
 
-NEG_INF = -1e30  # finite: keeps (m − m) and exp() NaN-free for fully masked rows
 MIN_DOT = 16  # Triton's dot needs every dimension ≥ 16
 SM_TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200 (132 SMs): the split heuristic's aim
 
@@ -194,10 +193,10 @@ def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool, key_
     if key_poison is not None:
         scores = scores + key_poison[None, :]
     if mask is not None:
-        scores = jnp.where(mask, scores, NEG_INF)
+        scores = jnp.where(mask, scores, MASKED_SCORE)
     m_next = jnp.maximum(m_prev, scores.max(axis=1))
     probs = jnp.exp(scores - m_next[:, None])
-    if mask is not None:  # a fully masked row has m_next == NEG_INF: exp(0) must not count
+    if mask is not None:  # a fully masked row has m_next == MASKED_SCORE: exp(0) must not count
         probs = jnp.where(mask, probs, 0.0)
     correction = jnp.exp(m_prev - m_next)
     acc = acc * correction[:, None] + _dot(probs.astype(v.dtype), v, 0)
@@ -249,7 +248,7 @@ def _verify_kernel(
     block_q, head_dim = q.shape
     state = (
         jnp.zeros((block_q, head_dim), jnp.float32),
-        jnp.full((block_q,), NEG_INF, jnp.float32),
+        jnp.full((block_q,), MASKED_SCORE, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     start, end = _split_range(len_ref[0], split, tiling.k_splits, tiling.block_k)

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-NEG_INF = -jnp.inf
+#: the logit of a token outside the support (top-k / top-p, a reduced draft vocabulary):
+#: probability exactly 0, and detectable (`isfinite` is False); the one definition
+MASKED_LOGIT = -jnp.inf
 
 
 @struct.dataclass
@@ -55,13 +57,13 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take(sorted_desc, k - 1, axis=-1)[..., None]
-    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, NEG_INF)
+    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, MASKED_LOGIT)
     sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_count = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
     nucleus_min = jnp.take_along_axis(sorted_desc, keep_count - 1, axis=-1)
     threshold = jnp.maximum(kth, nucleus_min)
-    return jnp.where(logits >= threshold, logits, NEG_INF)
+    return jnp.where(logits >= threshold, logits, MASKED_LOGIT)
 
 
 def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -8,7 +8,8 @@ trained, never saved with the head).
 Layer dimensions of every head are a `ModelConfig` (`layer_config`), so the head layers reuse
 the target's RoPE tables, RMSNorm, MLP and dense initialisers from `models/llama.py`.
 
-`attention` is the one attention routine of all heads: queries against several key/value
+`attention` (over `kernels.reference.attention_over_parts`, the one reference attention) is the
+attention of all heads: queries against several key/value
 *parts* (a KV cache, the block's own keys, draft-tree nodes, ...), each with its own boolean
 mask, under ONE softmax in f32 (no concatenated K/V is materialised).
 
@@ -25,16 +26,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 
+from specjax.kernels.reference import KVPart, attention_over_parts
 from specjax.models.config import ModelConfig
 from specjax.models.llama import MLP, LlamaModel, RMSNorm, _dense, apply_rope, rope_tables
 
-NEG_INF = -1e30
 Params = Any
-
-#: a key/value part: keys `[B, S, KVH, Dh]`, values `[B, S, KVH, Dh]`, mask `[B | 1, T, S]` bool
-KVPart = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def layer_config(target: ModelConfig, num_layers: int = 1, **overrides) -> ModelConfig:
@@ -47,33 +44,12 @@ def layer_config(target: ModelConfig, num_layers: int = 1, **overrides) -> Model
 # ---------------------------------------------------------------------------------------------
 
 
-def attention(q: jax.Array, parts: Sequence[KVPart], scale: float | None = None) -> jax.Array:
-    """Softmax attention of q `[B, T, Hq, Dh]` over the union of `parts` (GQA).
-
-    Each part is (k, v, mask) with k, v `[B, S_i, KVH, Dh]` and mask `[B | 1, T, S_i]` bool
-    (True = visible). One softmax over all visible keys, in f32; a query that sees nothing
-    returns zeros. Returns `[B, T, Hq, Dh]` in q's dtype.
-    """
-    num_kv_heads = parts[0][0].shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qg = rearrange(q, "b t (h g) d -> b h g t d", h=num_kv_heads).astype(jnp.float32) * scale
-    scores = []
-    for k, _, mask in parts:
-        s = jnp.einsum("bhgtd,bshd->bhgts", qg, k.astype(jnp.float32))
-        scores.append(jnp.where(mask[:, None, None], s, NEG_INF))
-    row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
-    weights = [
-        jnp.where(mask[:, None, None], jnp.exp(s - row_max), 0.0)
-        for s, (_, _, mask) in zip(scores, parts)
-    ]
-    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    out = sum(
-        jnp.einsum("bhgts,bshd->bthgd", w, v.astype(jnp.float32))
-        for w, (_, v, _) in zip(weights, parts)
-    )
-    denom = rearrange(denom, "b h g t 1 -> b t h g 1")
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    return rearrange(out, "b t h g d -> b t (h g) d").astype(q.dtype)
+def attention(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+              scale: float | None = None) -> jax.Array:
+    """Softmax attention of q `[B, T, Hq, Dh]` over the union of (k, v, mask) parts: k, v
+    `[B, S_i, KVH, Dh]`, mask `[B | 1, T, S_i]` bool. The one reference attention
+    (`kernels.reference.attention_over_parts`); returns `[B, T, Hq, Dh]` in q's dtype."""
+    return attention_over_parts(q, [KVPart(*part) for part in parts], scale=scale)
 
 
 def prefix_mask(lengths: jax.Array, capacity: int) -> jax.Array:

@@ -62,8 +62,7 @@ from specjax.drafters.learned.objectives import (
 from specjax.drafters.learned.sequential import SequentialDrafter, init_sequential, training_unroll
 from specjax.models.config import ModelConfig
 from specjax.models.llama import RMSNorm, _dense
-
-NEG_INF = -jnp.inf
+from specjax.sampling import MASKED_LOGIT
 
 
 def eagle3_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -159,7 +158,7 @@ class Eagle3Model(nn.Module):
         small = self.draft_logits(out)
         if not self.cfg.reduced_vocab:
             return small
-        full = jnp.full(small.shape[:-1] + (self.cfg.target.vocab_size,), NEG_INF, jnp.float32)
+        full = jnp.full(small.shape[:-1] + (self.cfg.target.vocab_size,), MASKED_LOGIT, jnp.float32)
         return full.at[..., self.draft_to_target.value].set(small)
 
     def __call__(self, layer_hidden, emb, positions):

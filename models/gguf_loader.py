@@ -23,6 +23,7 @@ import numpy as np
 from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_reader import GGUFFile, read_gguf
+from specjax.models.llama import rope_inv_freq
 from specjax.models.tokenizer import end_token_ids
 
 # architecture -> whether llama.cpp permuted the q/k rows
@@ -127,7 +128,6 @@ def _uniform_int(file: GGUFFile, key: str, default=None) -> int:
 
 def _llama3_scaling(file: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
     """Llama-3 RoPE scaling from llama.cpp's `rope_freqs.weight` (per-frequency divisors)."""
-    from specjax.models.llama import rope_inv_freq
 
     def divisors(scaling):  # [Dh/2] base / scaled inverse frequencies
         base = np.asarray(rope_inv_freq(head_dim, theta, None), np.float64)

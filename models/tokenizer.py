@@ -31,6 +31,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from specjax.models.checkpoint import CheckpointError
+from specjax.models.gguf_reader import read_gguf
 
 # Strings that end a turn or a document in common vocabularies; all that exist become eos ids.
 END_TOKENS = (
@@ -279,8 +280,6 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        from specjax.models.gguf_reader import read_gguf
-
         return cls.from_gguf_metadata(read_gguf(path).metadata, str(path))
 
     @classmethod

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from specjax.drafters.registry import make_drafter
 from specjax.tree import TreeSpec, chain, load_tree
 from specjax.yamlfile import field_problem, read_yaml_mapping
 
@@ -168,7 +169,6 @@ def scheduled(drafter, drafter_params, schedule, batch_size: int, model=None, dt
     if drafter is None:
         if not schedule.draft or model is None:
             raise ValueError("the schedule names no drafter: pass one (draft=...)")
-        from specjax.drafters.registry import make_drafter
 
         return make_drafter(schedule.draft, tree=tree, target=model, dtype=dtype)
     return dataclasses.replace(drafter, tree=tree), drafter_params

@@ -18,36 +18,30 @@ from specjax.cli.options import (
     say,
     writing_output,
 )
+from specjax.drafters.forced import is_forced
+from specjax.measure import bench as measure_bench
+from specjax.measure import profile as measure_profile
+from specjax.measure.plots import write_plots
 
 
 def cmd_bench(args) -> int:
-    from specjax.drafters.forced import is_forced
-    from specjax.measure.bench import (
-        make_any_drafter,
-        run_bench,
-        summary_lines,
-        write_json,
-    )
-    from specjax.measure.plots import write_plots
-    from specjax.measure.profile import load_target
-
     tree = draft_shape(args)
     check_outputs(args)
     rows = dataset_rows(args)
-    model = load_target(args.model, args.dtype)
-    drafter, params = make_any_drafter(args.draft, tree, model, args.dtype)
-    report = run_bench(
+    model = measure_profile.load_target(args.model, args.dtype)
+    drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype)
+    report = measure_bench.run_bench(
         model, rows, drafter, params, run_config(args, model, args.batch_size),
         chat=not args.no_chat, repeats=args.repeats, ideal=args.ideal or is_forced(args.draft),
         config={"model": args.model, "draft": args.draft, "dataset": args.dataset,
                 "per_category": args.per_category, "dtype": args.dtype},
         command=sys.argv, log=say, progress=True,
     )
-    for line in summary_lines(report):
+    for line in measure_bench.summary_lines(report):
         print(line)
     if args.out:
         with writing_output(args.out):
-            write_json(report, args.out)
+            measure_bench.write_json(report, args.out)
     if args.plots:
         with writing_output(args.plots):
             for path in write_plots(report, args.plots):

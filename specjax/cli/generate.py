@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from specjax import api
 from specjax.cli.options import (
     InputError,
     add_draft_args,
@@ -18,8 +19,20 @@ from specjax.cli.options import (
     load_tuned,
     make_draft,
 )
+from specjax.metrics import job_summary
+from specjax.models import hub
 from specjax.progress import progress_bar
-from specjax.prompt_io import check_unique_ids, output_row, read_prompts
+from specjax.prompt_io import (
+    append_rows,
+    check_unique_ids,
+    damage_report,
+    open_output,
+    output_row,
+    read_prompts,
+    repair_output,
+    scan_output,
+    trim_torn_tail,
+)
 
 
 def generate_rows(args) -> list[dict]:
@@ -33,7 +46,6 @@ def generate_rows(args) -> list[dict]:
 def rows_to_generate(rows: list[dict], args) -> list[dict]:
     """The rows still to generate: with --resume, those whose id is not yet a finished row of
     --out, after repairing --out (a torn tail or corrupt lines: reported, dropped, regenerated)."""
-    from specjax.prompt_io import damage_report, repair_output, scan_output, trim_torn_tail
 
     if not args.resume:
         if args.out:
@@ -55,11 +67,6 @@ def id_list(ids: Sequence, limit: int = 20) -> str:
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 def cmd_generate(args) -> int:
-    from specjax.api import iter_generate
-    from specjax.metrics import job_summary
-    from specjax.models.hub import load_model
-    from specjax.prompt_io import append_rows, open_output
-
     rows = generate_rows(args)
     tree = draft_shape(args)
     schedule = load_tuned(args)
@@ -68,14 +75,14 @@ def cmd_generate(args) -> int:
     todo = rows_to_generate(rows, args)
     if not todo:
         return 0
-    model = load_model(args.model, dtype=args.dtype)
+    model = hub.load_model(args.model, dtype=args.dtype)
     drafter, drafter_params = make_draft(args, tree, model)
     out_fd = open_output(args.out) if args.out else None
     total_tokens, spec_rows, error_ids = 0, [], []
     start = time.perf_counter()
     try:
         bar = progress_bar(total=len(todo), desc="generate", unit="prompt")
-        batches = iter_generate(
+        batches = api.iter_generate(
             model, [r["prompt"] for r in todo], max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,

@@ -15,9 +15,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from specjax.drafters.forced import is_forced
+from specjax.drafters.registry import check_spec, make_drafter
 from specjax.errors import InputError
+from specjax.measure.bench import RunConfig
+from specjax.measure.datasets import load_prompt_set, select_rows
 from specjax.progress import say
-from specjax.tree import check_num_draft
+from specjax.schedule import load_schedule
+from specjax.tree import chain, check_num_draft, load_tree
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -204,7 +209,6 @@ def add_sampling_args(p: argparse.ArgumentParser,
 def check_draft_spec(spec: str, option: str = "--draft") -> None:
     """An InputError unless `spec` starts with a registered drafter name (checked before any
     model loads; the drafter's own argument is checked when it is built)."""
-    from specjax.drafters.registry import check_spec
 
     try:
         check_spec(spec)
@@ -214,7 +218,6 @@ def check_draft_spec(spec: str, option: str = "--draft") -> None:
 def draft_shape(args):
     """The draft tree of --tree / --num-draft (a chain of DEFAULT_NUM_DRAFT when neither is given),
     or None without --draft; loaded before any model so a bad value fails first."""
-    from specjax.tree import chain, load_tree
 
     if not args.draft:
         if args.num_draft is not None or args.tree:
@@ -229,7 +232,6 @@ def make_draft(args, tree, model):
     """(drafter, drafter params) for --draft with the draft tree `tree`, or (None, None)."""
     if tree is None:
         return None, None
-    from specjax.drafters.registry import make_drafter
 
     return make_drafter(args.draft, tree=tree, target=model, dtype=args.dtype)
 
@@ -237,7 +239,6 @@ def load_tuned(args):
     """The --tuned schedule (or None), read and checked before any model loads."""
     if not args.tuned:
         return None
-    from specjax.schedule import load_schedule
 
     schedule = load_schedule(args.tuned)
     if not args.draft:
@@ -268,7 +269,6 @@ def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
 
 def draft_length_list(text: str | None, option: str) -> tuple[int, ...] | None:
     """int_list, each a draft length in [1, MAX_DRAFT_NODES]."""
-    from specjax.tree import check_num_draft
 
     values = int_list(text, option)
     return values and tuple(check_num_draft(d, option) for d in values)
@@ -293,7 +293,6 @@ def name_list(text: str | None) -> tuple[str, ...]:
 
 def dataset_rows(args):
     """The --dataset rows kept by --categories / --per-category; an InputError when none are."""
-    from specjax.measure.datasets import load_prompt_set, select_rows
 
     rows = select_rows(load_prompt_set(args.dataset), name_list(args.categories) or None, args.per_category)
     if not rows:
@@ -301,9 +300,6 @@ def dataset_rows(args):
     return rows
 
 def run_config(args, model, batch_size: int):
-    from specjax.drafters.forced import is_forced
-    from specjax.measure.bench import RunConfig
-
     tok = model.tokenizer
     stops = tok.stop_sequences(args.stop) if tok is not None and args.stop else ()
     return RunConfig(

@@ -16,25 +16,24 @@ from specjax.cli.options import (
     say,
     writing_output,
 )
+from specjax.measure import profile as measure_profile
+from specjax.measure.bench import make_any_drafter
+from specjax.tree import chain
 
 
 def cmd_profile(args) -> int:
-    from specjax.measure.bench import make_any_drafter
-    from specjax.measure.profile import load_target, profile_latency
-    from specjax.tree import chain
-
     tokens = int_list(args.tokens, "--tokens") or tuple(range(1, args.max_tokens + 1))
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     draft_lengths = draft_length_list(args.draft_lengths, "--draft-lengths")
     if args.draft:
         check_draft_spec(args.draft)
     check_outputs(args)
-    model = load_target(args.model, args.dtype)
+    model = measure_profile.load_target(args.model, args.dtype)
     drafters = {}
     if args.draft:
         for d in draft_lengths:
             drafters[str(d)] = make_any_drafter(args.draft, chain(d), model, args.dtype)
-    prof = profile_latency(
+    prof = measure_profile.profile_latency(
         model, batch_sizes, tokens, drafters, context=args.context,
         repeats=args.repeats, steps=not args.no_step_profile, log=say,
     )

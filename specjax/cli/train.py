@@ -24,7 +24,9 @@ from specjax.cli.options import (
 )
 from specjax.drafters.learned.kind import HeadOption
 from specjax.drafters.learned.registry import KINDS, get_kind, make_head_config, option_flags
+from specjax.models import hub
 from specjax.prompt_io import read_prompts
+from specjax.train.trainer import STAGING_DIR, TrainConfig, prepare_data, train_drafter
 
 
 def option_help(takers: list[tuple[str, HeadOption]]) -> str:
@@ -98,7 +100,6 @@ def check_options(args) -> None:
 def check_out_folder(out: Path, resume: bool) -> None:
     """OUT is (made) a writable folder, and empty unless resuming: checked before anything
     loads. A leftover staging folder of a killed run does not count (it is regenerated)."""
-    from specjax.train.trainer import STAGING_DIR
 
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file, not a folder: name a folder")
@@ -124,16 +125,13 @@ def check_against_target(args, cfg) -> None:
 
 
 def cmd_train_drafter(args) -> int:
-    from specjax.models.hub import load_model
-    from specjax.train.trainer import TrainConfig, prepare_data, train_drafter
-
     out = Path(args.out)
     check_options(args)
     check_out_folder(out, args.resume)
     rows = [r for path in args.prompts for r in read_prompts(path)][: args.num_prompts]
     if not rows:
         raise InputError("no prompts")
-    target = load_model(args.model, dtype=args.dtype)
+    target = hub.load_model(args.model, dtype=args.dtype)
     check_against_target(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]

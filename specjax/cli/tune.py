@@ -23,15 +23,14 @@ from specjax.cli.options import (
     say,
     writing_output,
 )
+from specjax.measure import profile as measure_profile
+from specjax.measure.bench import encode_rows, write_json
+from specjax.measure.tune import TuneConfig, tune
+from specjax.schedule import Schedule
+from specjax.tree import load_tree
 
 
 def cmd_tune(args) -> int:
-    from specjax.measure.bench import encode_rows, write_json
-    from specjax.measure.profile import load_target
-    from specjax.measure.tune import TuneConfig, tune
-    from specjax.schedule import Schedule
-    from specjax.tree import load_tree
-
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     draft_lengths = draft_length_list(args.draft_lengths, "--draft-lengths")
     for name in name_list(args.trees):
@@ -39,7 +38,7 @@ def cmd_tune(args) -> int:
     check_draft_spec(args.draft)
     check_outputs(args)
     rows = dataset_rows(args)
-    model = load_target(args.model, args.dtype)
+    model = measure_profile.load_target(args.model, args.dtype)
     tc = TuneConfig(
         batch_sizes=batch_sizes, max_draft=args.max_draft,
         draft_lengths=draft_lengths, trees=name_list(args.trees),

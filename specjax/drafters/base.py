@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.accept import accept
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
@@ -84,7 +85,6 @@ class Drafter:
         Only measurement drafters override it (`drafters.forced`: acceptance drawn from a
         profile, to measure the system rather than the drafter).
         """
-        from specjax.accept import accept
 
         return accept(key, target_logits, draft, self.tree, sampling)
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
+from specjax.accept import _all_ancestors, _deepest, _result
 from specjax.drafters.base import Drafter
 from specjax.gather import take_rows
 from specjax.rng import per_row, sample_rows, split_rows
@@ -58,7 +59,6 @@ def accept_forced(
 
     target_logits `[B, 1 + N, V]`, draft.tokens/valid `[B, N]` -> AcceptResult (see types).
     """
-    from specjax.accept import _all_ancestors, _deepest, _result
 
     batch, num_nodes = draft.tokens.shape
     key_coins, key_next = split_rows(key, batch, 2)  # [B, 2] each

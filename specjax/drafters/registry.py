@@ -21,9 +21,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.forced import make_forced
+from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.learned.checkpoint import load_learned_drafter
 from specjax.drafters.learned.registry import KINDS as LEARNED_KINDS
+from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.suffix import SuffixDrafter
 from specjax.models.config import ModelConfig
+from specjax.models.hub import load_model
 from specjax.tree import TreeSpec
 
 Factory = Callable[[str, "DraftContext"], tuple[Any, Any]]
@@ -152,24 +158,18 @@ def make_drafter(
 
 @register("ngram", _check_range((1, 3), "ngram"))
 def _ngram(arg: str, ctx: DraftContext):
-    from specjax.drafters.ngram import NgramDrafter
-
     n_min, n_max = parse_range(arg, (1, 3), "ngram")
     return NgramDrafter(tree=ctx.tree, n_min=n_min, n_max=n_max), None
 
 
 @register("suffix", _check_range((1, 6), "suffix"))
 def _suffix(arg: str, ctx: DraftContext):
-    from specjax.drafters.suffix import SuffixDrafter
-
     n_min, n_max = parse_range(arg, (1, 6), "suffix")
     return SuffixDrafter(tree=ctx.tree, n_min=n_min, n_max=n_max), None
 
 
 @register("layerskip", _check_positive_int("layerskip:K"))
 def _layerskip(arg: str, ctx: DraftContext):
-    from specjax.drafters.layerskip import layerskip_drafter
-
     if ctx.target_params is None:
         raise ValueError("layerskip:K drafts with the target's weights: pass the target's params")
     return layerskip_drafter(ctx.tree, ctx.target_cfg, parse_int(arg, "layerskip:K")), ctx.target_params
@@ -177,13 +177,9 @@ def _layerskip(arg: str, ctx: DraftContext):
 
 @register("model", _check_given("model:NAME_OR_PATH"))
 def _model(arg: str, ctx: DraftContext):
-    from specjax.drafters.draft_model import DraftModelDrafter
-
     if not arg:
         raise ValueError("model:NAME_OR_PATH needs a model name or path")
-    loader = ctx.loader
-    if loader is None:
-        from specjax.models.hub import load_model as loader
+    loader = ctx.loader or load_model
     draft = loader(arg, ctx.dtype)
     check_tokenizers(getattr(draft, "tokenizer", None), ctx.target_tokenizer, arg)
     return DraftModelDrafter(tree=ctx.tree, cfg=draft.cfg), draft.params
@@ -191,8 +187,6 @@ def _model(arg: str, ctx: DraftContext):
 
 @register("forced")
 def _forced(arg: str, ctx: DraftContext):
-    from specjax.drafters.forced import make_forced
-
     return make_forced(f"forced:{arg}", ctx.tree, ctx.target_cfg.vocab_size)
 
 

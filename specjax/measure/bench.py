@@ -59,8 +59,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax import __version__
 from specjax.api import bucket, generate_ids
+from specjax.drafters.registry import make_drafter
 from specjax.measure.datasets import categories_of
+from specjax.measure.profile import device_info, draft_latency, target_latency
 from specjax.metrics import job_summary
 from specjax.progress import progress_bar
 
@@ -114,7 +117,6 @@ def encode_by_category(model, rows: Sequence[dict], chat: bool = True) -> dict[s
 
 def make_any_drafter(spec: str, tree, model, dtype: str = "float32"):
     """(drafter, params) for a --draft spec, from the drafter registry."""
-    from specjax.drafters.registry import make_drafter
 
     return make_drafter(spec, tree=tree, target=model, dtype=dtype)
 
@@ -320,8 +322,6 @@ def build_report(
 ) -> dict:
     """The JSON report (schema in the module docstring). ideal: {"t_target_1", "t_target_n",
     "t_draft"} seconds from the latency profiler, or None."""
-    from specjax import __version__
-    from specjax.measure.profile import device_info
 
     counts = {c: sum(r["category"] == c for r in rows) for c in categories_of(rows)}
     cats = {c: section(counts[c], *records[c]) for c in records}
@@ -372,7 +372,6 @@ def validate_report(report: dict) -> None:
 def profile_ideal(model, drafter, drafter_params, run: RunConfig, ids: Sequence[Sequence[int]],
                   repeats: int = 5) -> dict:
     """The step costs behind the ideal speedup, at the run's mean context and buffer width."""
-    from specjax.measure.profile import draft_latency, target_latency
 
     mean_prompt = int(np.mean([len(p) for p in ids]))
     context = mean_prompt + run.max_new_tokens // 2

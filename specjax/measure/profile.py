@@ -34,8 +34,10 @@ from specjax.loop import StopCriteria, ar_step, init_state, prefill, spec_step
 from specjax.metrics import SpecMetrics
 from specjax.models.cache import init_cache
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.hub import load_model
 from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams
+from specjax.verify import verify
 
 RANDOM_PREFIX = "random:"
 SHAPES_DIR = "models/shapes"
@@ -99,7 +101,6 @@ def load_target(spec, dtype: str = "float32", seed: int = 0):
     if spec.startswith(RANDOM_PREFIX):
         cfg = shape_config(*parse_random_spec(spec), dtype=dtype)
         return RandomModel(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed)), source=spec)
-    from specjax.models.hub import load_model
 
     return load_model(spec, dtype=dtype)
 
@@ -248,7 +249,6 @@ def step_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: in
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
 def _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling):
     """(target ForwardOutput, AcceptResult) of one step from this state: update's inputs."""
-    from specjax.verify import verify
 
     draft, _ = drafter.propose(drafter_params, dstate, state, key, sampling)
     out = verify(cfg, params, state.cache, state.last_token, draft, drafter.tree, drafter.hidden_layers)

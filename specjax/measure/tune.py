@@ -54,6 +54,7 @@ from specjax.measure.bench import (
     warm_up,
 )
 from specjax.measure.profile import LatencyProfile, profile_latency, step_costs
+from specjax.metrics import job_summary
 from specjax.progress import progress_bar
 from specjax.schedule import DraftShape, Schedule, ScheduleEntry
 
@@ -189,7 +190,6 @@ class Calibration:
 
     def acceptance(self) -> dict:
         """The job-level acceptance summary of the calibration chain."""
-        from specjax.metrics import job_summary
 
         return job_summary(self.spec_rows)
 
@@ -307,7 +307,6 @@ def measure_candidates(model, ids, run: RunConfig, draft_spec: str, labels: Sequ
 
 def measured_tokens_per_step(chunk_passes: Sequence[Sequence[ModeRecord]]) -> float:
     """The acceptance length of the first pass over all chunks (1.0 without speculation)."""
-    from specjax.metrics import job_summary
 
     rows = [row for passes in chunk_passes for row in passes[0].spec_rows]
     return job_summary(rows)["acceptance_length"] if rows else 1.0

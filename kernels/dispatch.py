@@ -23,6 +23,7 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
 def verify_attention(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask, *, impl: str = "auto"):
     """Verify attention (see `verify_attention_reference` for shapes), by the chosen implementation."""
     if resolve_impl(impl, q.shape[-1]) == "pallas":
+        # imported on the GPU path only: the Pallas/Triton module is not needed elsewhere
         from specjax.kernels.verify_attention import verify_attention as pallas_verify_attention
 
         return pallas_verify_attention(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask)

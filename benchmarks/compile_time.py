@@ -73,13 +73,27 @@ def abstract_params(params):
 
 
 def learned_drafter(kind: str, tree: TreeSpec, cfg, params):
-    """(drafter, abstract params) of a learned head of `kind` with its record's random init."""
+    """(drafter, abstract params) of a learned head of `kind` with its record's random init (a
+    head whose default depth is shallower than the tree gets its `--depth` option = the tree's)."""
     from specjax.drafters.learned.drafting import drafter_params
-    from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
+    from specjax.drafters.learned.registry import (
+        get_kind,
+        init_head,
+        make_head_config,
+        make_learned_drafter,
+    )
 
     head_cfg = make_head_config(kind, cfg)
+    try:
+        drafter = make_learned_drafter(head_cfg, tree)
+    except ValueError:
+        depth = [o.field for o in get_kind(kind).options if o.flag == "depth"]
+        if not depth:
+            raise
+        head_cfg = make_head_config(kind, cfg, **{depth[0]: tree.max_depth})
+        drafter = make_learned_drafter(head_cfg, tree)
     variables = jax.eval_shape(lambda: init_head(head_cfg, jax.random.PRNGKey(0)))
-    return make_learned_drafter(head_cfg, tree), drafter_params(variables, params, head_cfg)
+    return drafter, drafter_params(variables, params, head_cfg)
 
 
 def build_drafter(draft: str, tree: TreeSpec, model, loader):
@@ -115,6 +129,27 @@ _OP = re.compile(r"=\s*\"?([a-z_]+\.[a-z_.]+)")
 _CONST = re.compile(r"stablehlo\.constant dense<(.*?)> : tensor<([0-9x]*)x?([a-z0-9]+)>")
 
 
+_TRIVIAL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+            "conditional", "call", "after-all", "opt-barrier"}
+
+
+def kernel_count(optimised: str) -> int:
+    """Instructions of the optimised HLO that become a kernel of their own (fusions, copies,
+    sorts, ...; not those inside a fused computation): on CPU each is compiled on its own
+    (MLIR + LLVM), which is most of the compile time."""
+    fused = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", optimised))
+    count, computation = 0, None
+    for line in optimised.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)
+            computation = name.group(1) if name else None
+            continue
+        op = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = .*? ([a-z][\w\-]*)\(", line)
+        if computation and computation not in fused and op and op.group(1) not in _TRIVIAL:
+            count += 1
+    return count
+
+
 def hlo_stats(lowered, compiled) -> dict:
     """Sizes of the lowered StableHLO and the optimised HLO."""
     text = lowered.as_text()
@@ -132,6 +167,7 @@ def hlo_stats(lowered, compiled) -> dict:
         "const_bytes": const_bytes,
         "top_ops": dict(ops.most_common(8)),
         "opt_hlo_instructions": sum(1 for line in optimised.splitlines() if " = " in line),
+        "kernels": kernel_count(optimised),
     }
 
 
@@ -183,7 +219,7 @@ def run(model, progs: list[Program], *, repeat: int = 1, prompt_width: int = 64,
             samples[prog].append(measure(*calls[prog]))
             last = samples[prog][-1]
             log(f"  [{r + 1}/{repeat}] B={prog.batch} {prog.label}: lower {last['lower_s']:.2f} s, "
-                f"compile {last['compile_s']:.2f} s, {last['hlo_ops']} ops")
+                f"compile {last['compile_s']:.2f} s, {last['hlo_ops']} ops, {last['kernels']} kernels")
     records = []
     for prog in progs:
         runs = samples[prog]
@@ -202,14 +238,14 @@ def run(model, progs: list[Program], *, repeat: int = 1, prompt_width: int = 64,
 
 def table(records: list[dict]) -> str:
     head = ("| B | program | tree | lower s | compile s | total s | x AR | HLO ops | while | "
-            "const KB | opt HLO instr |")
-    lines = [head, "|---" * 11 + "|"]
+            "const KB | opt HLO instr | kernels |")
+    lines = [head, "|---" * 12 + "|"]
     for r in records:
         lines.append(
             f"| {r['batch']} | {r['draft']} | {r['tree'] or '-'} | {r['lower_s']:.2f} | "
             f"{r['compile_s']:.2f} | {r['total_s']:.2f} | {r.get('x_ar', float('nan')):.2f} | "
             f"{r['hlo_ops']} | {r['while_ops']} | {r['const_bytes'] / 1024:.0f} | "
-            f"{r['opt_hlo_instructions']} |"
+            f"{r['opt_hlo_instructions']} | {r['kernels']} |"
         )
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.compile_cache import use_compile_cache
 from specjax.drafters.registry import make_drafter
 from specjax.loop import STOP_REASONS, StopCriteria, generate_program, spec_generate_program
 from specjax.metrics import row_summaries
@@ -451,6 +452,7 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
     after the checks that need the target: prompt ids in its vocabulary, rows within max_len.
     key: the job's `[2]` uint32 PRNG key."""
     check_sizes(batch_size, max_len)
+    use_compile_cache()  # the first job of the process sets the persistent cache up
     key_ids = row_key_ids(prompt_ids, len(prompts))
     target_model = as_target(target)
     eos_ids = target_model.eos_token_ids if generation.eos_ids is None else generation.eos_ids

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from specjax.cli import bench, export, generate, profile, train, tune
 from specjax.cli.options import HelpFormatter
+from specjax.compile_cache import use_compile_cache
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
 SUBCOMMANDS = (generate, bench, profile, tune, train, export)
@@ -39,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():
+        command.add_argument("--no-compile-cache", action="store_true",
+                             help="compile every program anew: no persistent compilation cache "
+                                  "(default: compiled programs are kept in $SPECJAX_CACHE/compile; "
+                                  "SPECJAX_COMPILE_CACHE=0 also turns it off)")
     return parser
 
 
@@ -49,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "resume", False) and not args.out:
         return fail("--resume needs --out")
+    use_compile_cache(not args.no_compile_cache)
     try:
         return args.func(args)
     except ValueError as e:

@@ -5,16 +5,17 @@
 `generate` takes a loaded model (or a name / path to load), prompts as text, chat message lists
 or token ids, and returns text; `generate_ids` works on token ids with any target model
 (`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. Both
-run each batch as ONE jitted program (`loop.generate_program`) whose shapes are bucketed (2^k
-or 3·2^(k-2) lengths, power-of-two batches), so calls with other prompt lengths or
-max_new_tokens inside the same buckets do not compile again. Every argument is checked before
-a model loads or anything compiles (`specjax.options`).
+run each batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
+`ar_finish_program`, or the spec pair: `loop.generate_program` split in two, so the results'
+`times` hold compile, prefill and decode seconds apart), whose shapes are bucketed (2^k or
+3·2^(k-2) lengths; batches of the prompts' power-of-two bucket, at most batch_size), so calls
+with other prompt lengths or max_new_tokens inside the same buckets do not compile again. Every
+argument is checked before a model loads or anything compiles (`specjax.options`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,7 +26,14 @@ import numpy as np
 
 from specjax.compile_cache import use_compile_cache
 from specjax.drafters.registry import make_drafter
-from specjax.loop import STOP_REASONS, StopCriteria, generate_program, spec_generate_program
+from specjax.loop import (
+    STOP_REASONS,
+    StopCriteria,
+    ar_finish_program,
+    ar_start_program,
+    spec_finish_program,
+    spec_start_program,
+)
 from specjax.metrics import row_summaries
 from specjax.models.config import ModelConfig, resolve_dtype
 from specjax.models.hub import load_model
@@ -43,6 +51,7 @@ from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
 from specjax.target import TargetModel, as_target
+from specjax.timing import BatchTimes, build_and_run
 from specjax.tree import TreeSpec
 
 MIN_BUCKET = 16
@@ -196,8 +205,9 @@ class TokenResult:
     # "eos" | "stop" | "length" | "error"; "error": the target's logits for the next token were
     # NaN / Inf (a damaged checkpoint or an overflow), token_ids hold the tokens chosen before
     stop_reason: str
-    time_s: float  # wall time of the batch this row ran in
+    time_s: float  # wall time of the batch this row ran in: prefill + decode, never compilation
     spec: dict | None = None  # speculative metrics of the row, when speculating
+    times: BatchTimes | None = None  # the batch's compile, prefill and decode seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +219,9 @@ class Generation:
     token_ids: list[int]
     num_new_tokens: int
     stop_reason: str  # "eos" | "stop" | "length" | "error" (see TokenResult.stop_reason)
-    time_s: float
+    time_s: float  # prefill + decode of the row's batch (see TokenResult)
     spec: dict | None = None
+    times: BatchTimes | None = None  # `specjax.timing.job_stats(generations)` sums a job's
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -231,10 +242,44 @@ def batch_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def batch_rows(batch_size: int | None, num_prompts: int) -> int:
+    """Rows of the program that runs `num_prompts` prompts: their batch bucket, at most
+    `batch_size` (None: no limit). One prompt runs as a batch of 1, three as a batch of 4, so
+    padding rows are fewer than the prompts and only where the prompts do not fill a bucket."""
+    rows = batch_bucket(num_prompts)
+    return rows if batch_size is None else min(batch_size, rows)
+
+
 def draft_margin(tree: TreeSpec | None) -> int:
     """Cache entries a row needs beyond prompt + max_new_tokens: what one speculative step
     writes past the committed length (the root and every draft node); 0 without a tree."""
     return 0 if tree is None else tree.num_nodes + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The static shapes of a batch's programs (with the draft tree): a process compiles each
+    distinct shape once, as two programs (prefill and decode)."""
+
+    rows: int  # the batch dimension: the prompts and the padding rows
+    prompt_width: int  # the bucket of the batch's longest prompt
+    width: int  # token buffer and cache entries per row: prompt_width + bucket(max_new) + margin
+
+
+def batch_shape(prompt_lengths: Sequence[int], rows: int, max_new_tokens: int,
+                tree: TreeSpec | None) -> BatchShape:
+    """The shape of the batch of prompts of these lengths, run as `rows` rows."""
+    prompt_width = bucket(max(prompt_lengths))
+    return BatchShape(rows, prompt_width, prompt_width + bucket(max_new_tokens) + draft_margin(tree))
+
+
+def job_shapes(prompt_lengths: Sequence[int], batch_size: int | None, max_new_tokens: int,
+               tree: TreeSpec | None = None) -> list[BatchShape]:
+    """Each batch's shape of a job, decided on the host from the prompts' lengths alone: the
+    job compiles `len(set(job_shapes(...)))` shapes (two programs each), each once."""
+    job_rows = batch_rows(batch_size, len(prompt_lengths))
+    return [batch_shape(chunk, batch_rows(job_rows, len(chunk)), max_new_tokens, tree)
+            for _, chunk in batches(prompt_lengths, job_rows)]
 
 
 def batch_tree(choice: DraftChoice, schedule, batch_size: int) -> TreeSpec | None:
@@ -303,44 +348,54 @@ def run_batch(
     drafter=None,
     drafter_params=None,
     drafter_carry=(),
+    batch: int = 0,
 ) -> tuple[list[TokenResult], object]:
     """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion.
 
     target: a `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     Plain decoding when drafter is None, else speculative decoding with that drafter.
     row_keys: `[len(prompts), 2]` uint32, each prompt's PRNG key (`specjax.rng.job_row_keys`).
+    batch: the batch's index in its job (in its rows' `times`).
     Returns (results, the drafter's carry for the job's next batch); drafter_carry is this
-    batch's (`drafter.init_carry(drafter_params)` for the first; donated).
+    batch's (`drafter.init_carry(drafter_params)` for the first; donated). The batch runs as
+    two programs, prefill then decode (`loop.ar_start_program` / `ar_finish_program` or the
+    spec pair), each built before it runs, so its rows' `times` hold the three apart.
     """
     if drafter is not None:
         drafter.check_target(target)
-    prompt_width = bucket(max(len(p) for p in prompts))
-    margin = draft_margin(None if drafter is None else drafter.tree)
-    width = prompt_width + bucket(max_new_tokens) + margin
-    tokens, lengths = _pad_batch(prompts, batch_size, prompt_width)
+    shape = batch_shape([len(p) for p in prompts], batch_size, max_new_tokens,
+                        None if drafter is None else drafter.tree)
+    width = shape.width
+    tokens, lengths = _pad_batch(prompts, batch_size, shape.prompt_width)
     max_new = np.zeros((batch_size,), np.int32)
     max_new[: len(prompts)] = max_new_tokens
     args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
             as_target(target).init_cache(batch_size, width), jnp.asarray(_pad_keys(row_keys, batch_size)),
             sampling, criteria)
-    start = time.perf_counter()
     if drafter is None:
-        state, metrics = generate_program(target, params, *args, width=width), None
+        head, carry, start, finish = (target, params), (), ar_start_program, ar_finish_program
     else:
-        state, metrics, drafter_carry = spec_generate_program(
-            target, params, drafter, drafter_params, *args, drafter_carry, width=width
-        )
+        head, carry = (target, params, drafter, drafter_params), (drafter_carry,)
+        start, finish = spec_start_program, spec_finish_program
+    started, start_compile_s, prefill_s = build_and_run(start, *head, *args, *carry, width=width)
+    finished, finish_compile_s, decode_s = build_and_run(finish, *head, started, sampling, criteria)
+    if drafter is None:
+        state, metrics = finished, None
+    else:  # the job-level part of the drafter's state (a selection: no computation)
+        state, metrics, drafter_state = finished
+        drafter_carry = drafter.carry(drafter_state)
     out_tokens, num_tokens, reasons, metrics = jax.device_get(
         (state.tokens, state.num_tokens, state.stop_reason, metrics)
     )
-    elapsed = time.perf_counter() - start
+    times = BatchTimes(batch, start_compile_s + finish_compile_s, prefill_s, decode_s)
     spec = row_summaries(metrics, len(prompts)) if metrics is not None else None
     results = [
         TokenResult(
             token_ids=out_tokens[i, lengths[i] : num_tokens[i]].tolist(),
             stop_reason=STOP_REASONS[int(reasons[i])],
-            time_s=elapsed,
+            time_s=times.run_s,
             spec=spec[i] if spec else None,
+            times=times,
         )
         for i in range(len(prompts))
     ]
@@ -416,12 +471,13 @@ def iter_generate_ids(
       eos_ids: ids that end a row (None: the target's `eos_token_ids`; () = none).
     stop_token_seqs: token sequences that end a row (stop strings need `generate`).
     seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
-    batch_size: rows per batch (default: all prompts at once, rounded to a bucket); each batch
-      is one jitted prefill+decode program; a drafter's job-level state is carried across them.
+    batch_size: prompts per batch at most (default: all prompts at once); each batch runs as
+      many rows as its prompts' bucket (`batch_rows`: 1 prompt -> 1 row, 3 -> 4, never more than
+      batch_size); a drafter's job-level state is carried across batches.
     max_len: the longest row in cache entries (default: the target's max_position_embeddings).
-    schedule: a `specjax.schedule.Schedule` (or its YAML path) whose bucket for `batch_size`
-      sets the draft shape (0 = no speculation); with draft=None the schedule's own drafter spec
-      is built.
+    schedule: a `specjax.schedule.Schedule` (or its YAML path) whose bucket for the job's batch
+      rows (`batch_rows(batch_size, len(prompts))`) sets the draft shape (0 = no speculation);
+      with draft=None the schedule's own drafter spec is built.
     labels: names of the prompts in errors (default "prompt i").
     prompt_ids: a stable int or str per prompt (default: its index in `prompts`); a row samples
       with fold_in(job key, its id) only, so the same prompt, id and seed give the same tokens at
@@ -457,7 +513,7 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
     target_model = as_target(target)
     eos_ids = target_model.eos_token_ids if generation.eos_ids is None else generation.eos_ids
     criteria = StopCriteria.make(eos_ids, stop_token_seqs)
-    batch_size = batch_size or batch_bucket(len(prompts))
+    batch_size = batch_rows(batch_size, len(prompts))
     margin = draft_margin(batch_tree(choice, schedule, batch_size))
     validate_prompts(prompts, target_model.vocab_size, generation.max_new_tokens,
                      max_len or target_model.max_position_embeddings, labels, margin)
@@ -476,11 +532,11 @@ def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, 
     prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
     drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
     carry = () if drafter is None else drafter.init_carry(drafter_params)
-    for start, chunk in batches(prompts, batch_size):
+    for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(
             target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
-            batch_size=batch_size, drafter=drafter, drafter_params=drafter_params,
-            drafter_carry=carry, **batch_options,
+            batch_size=batch_rows(batch_size, len(chunk)), drafter=drafter, drafter_params=drafter_params,
+            drafter_carry=carry, batch=index, **batch_options,
         )
         yield start, results
 
@@ -580,14 +636,15 @@ def iter_generate(
       and its tokenizer's end tokens); an option given both ways is an error.
     seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
     chat: render str prompts with the chat template (default True; chats always are).
-    batch_size: prompts per jitted batch (default 8).
+    batch_size: prompts per batch at most (default 8); a batch runs as many rows as its
+      prompts' bucket (one prompt: a batch of 1).
     dtype: of the weights loaded for a name / path and for a drafter's own weights: "auto"
       (default: bfloat16 on GPU / TPU, float32 on CPU; a drafter follows the target), "float32",
       "bfloat16" or "float16".
     max_len: the longest row in cache entries (default: the model's max_position_embeddings).
     labels: names of the prompts in error messages (default "prompt i").
-    schedule: a tuned `specjax.schedule.Schedule` or its YAML path: the bucket of batch_size
-      picks the draft shape (with draft=None, the schedule's own drafter spec is built).
+    schedule: a tuned `specjax.schedule.Schedule` or its YAML path: the bucket of the job's batch
+      rows picks the draft shape (with draft=None, the schedule's own drafter spec is built).
     prompt_ids: a stable int or str per prompt (default: its index), which alone with the seed
       sets the row's sampling (see `iter_generate_ids`); `specjax generate` passes the row ids.
     The prompts' types and every option are checked before the model loads (TypeError /
@@ -624,6 +681,7 @@ def _generations(tokenizer, rows: list[Prompt], batches_of_results, generation: 
             out.append(Generation(
                 prompt=rows[start + j].given, completion=text, token_ids=token_ids,
                 num_new_tokens=len(token_ids), stop_reason=reason, time_s=res.time_s, spec=res.spec,
+                times=res.times,
             ))
         yield start, out
 

@@ -243,13 +243,35 @@ def generate_program(
     keys `[B, 2]` (or one key split across rows; see `init_state`), width W = the token
     buffer size >= P + max(max_new). Returns the final DecodeState.
     """
+    state = ar_start(target, params, prompt_tokens, prompt_lens, max_new, cache, key, sampling,
+                     criteria, width=width)
+    return ar_finish(target, params, state, sampling, criteria)
+
+
+def ar_start(target: TargetModel, params, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+             max_new: jax.Array, cache: KVCache, key: jax.Array, sampling: SamplingParams,
+             criteria: StopCriteria, *, width: int) -> DecodeState:
+    """The first half of `generate_program`: the state after prefill (each row's first token)."""
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
     state, _ = prefill(target, params, state, prompt_tokens.shape[1], sampling, criteria)
+    return state
+
+
+def ar_finish(target: TargetModel, params, state: DecodeState, sampling: SamplingParams,
+              criteria: StopCriteria) -> DecodeState:
+    """The second half of `generate_program`: decodes until every row is done."""
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done),
         lambda s: ar_step(target, params, s, sampling, criteria),
         state,
     )
+
+
+#: `generate_program` as two programs, so a caller can time prefill and decode apart (the
+#: batch's time to first token, then the rest): `ar_finish_program(target, params,
+#: ar_start_program(target, params, ...), sampling, criteria)` gives the same state
+ar_start_program = jax.jit(ar_start, static_argnames=("target", "width"), donate_argnames=("cache",))
+ar_finish_program = jax.jit(ar_finish, static_argnames=("target",), donate_argnames=("state",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +342,18 @@ def spec_generate_program(
     batch, else the previous batch's returned carry; donated).
     Returns (DecodeState, SpecMetrics, the drafter's carry for the next batch).
     """
+    started = spec_start(target, params, drafter, drafter_params, prompt_tokens, prompt_lens,
+                         max_new, cache, key, sampling, criteria, drafter_carry, width=width)
+    state, metrics, drafter_state = spec_finish(target, params, drafter, drafter_params, started,
+                                                sampling, criteria)
+    return state, metrics, drafter.carry(drafter_state)
+
+
+def spec_start(target: TargetModel, params, drafter, drafter_params, prompt_tokens: jax.Array,
+               prompt_lens: jax.Array, max_new: jax.Array, cache: KVCache, key: jax.Array,
+               sampling: SamplingParams, criteria: StopCriteria, drafter_carry=(), *, width: int):
+    """The first half of `spec_generate_program`: (state, drafter state, metrics) after prefill
+    (each row's first token, the drafter's prefill)."""
     batch = prompt_tokens.shape[0]
     state = init_state(prompt_tokens, prompt_lens, max_new, cache, key, width)
     drafter_state = drafter.resume(drafter.init(drafter_params, batch, width), drafter_carry)
@@ -327,13 +361,25 @@ def spec_generate_program(
         target, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
     )
     drafter_state = drafter.prefill(drafter_params, drafter_state, state, prefill_out)
-    metrics = SpecMetrics.zeros(batch, drafter.tree.max_depth)
+    return state, drafter_state, SpecMetrics.zeros(batch, drafter.tree.max_depth)
+
+
+def spec_finish(target: TargetModel, params, drafter, drafter_params, started,
+                sampling: SamplingParams, criteria: StopCriteria):
+    """The second half of `spec_generate_program`: speculative steps from `spec_start`'s
+    (state, drafter state, metrics) until every row is done -> (state, metrics, drafter state);
+    `drafter.carry(drafter state)` is what the job's next batch resumes from."""
 
     def body(carry):
         s, ds, m = carry
         return spec_step(target, params, drafter, drafter_params, s, ds, m, sampling, criteria)
 
-    state, drafter_state, metrics = jax.lax.while_loop(
-        lambda c: jnp.any(~c[0].done), body, (state, drafter_state, metrics)
-    )
-    return state, metrics, drafter.carry(drafter_state)
+    state, drafter_state, metrics = jax.lax.while_loop(lambda c: jnp.any(~c[0].done), body, started)
+    return state, metrics, drafter_state
+
+
+#: `spec_generate_program` as two programs (see `ar_start_program`)
+spec_start_program = jax.jit(spec_start, static_argnames=("target", "drafter", "width"),
+                             donate_argnames=("cache", "drafter_carry"))
+spec_finish_program = jax.jit(spec_finish, static_argnames=("target", "drafter"),
+                              donate_argnames=("started",))

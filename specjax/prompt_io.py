@@ -257,6 +257,9 @@ def output_row(row: dict, gen) -> dict:
         "stop_reason": gen.stop_reason,
         "time_s": round(gen.time_s, 4),
     }
+    if gen.times is not None:  # the batch's: time_s = prefill_s + decode_s, compile_s apart
+        out.update(compile_s=round(gen.times.compile_s, 4), prefill_s=round(gen.times.prefill_s, 4),
+                   decode_s=round(gen.times.decode_s, 4))
     if gen.spec is not None:
         out["spec"] = gen.spec
     return out

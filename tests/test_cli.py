@@ -10,7 +10,8 @@ from helpers import tiny_config, tiny_vocab, write_hf
 from specjax.cli import main
 from specjax.models.llama import init_params
 
-FIELDS = {"id", "category", "prompt", "completion", "token_ids", "num_new_tokens", "stop_reason", "time_s"}
+FIELDS = {"id", "category", "prompt", "completion", "token_ids", "num_new_tokens", "stop_reason", "time_s",
+          "compile_s", "prefill_s", "decode_s"}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from specjax.api import PromptError, generate_ids
-from specjax.loop import generate_program
+from specjax.loop import ar_finish_program, ar_start_program
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward
 
@@ -62,13 +62,14 @@ def test_sampling_is_seeded_and_varies(tiny_model):
 
 def test_same_bucket_does_not_recompile(tiny_model):
     cfg, params = tiny_model
-    generate_ids(cfg, params, [[1, 2, 3]], max_new_tokens=5, batch_size=2, eos_ids=[])
-    compiled = generate_program._cache_size()
+    sizes = lambda: [ar_start_program._cache_size(), ar_finish_program._cache_size()]
+    generate_ids(cfg, params, [[1, 2, 3], [4]], max_new_tokens=5, batch_size=2, eos_ids=[])
+    compiled = sizes()
     generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
                  temperature=0.7, top_k=5)
-    assert generate_program._cache_size() == compiled
-    generate_ids(cfg, params, [list(range(2, 40))], max_new_tokens=5, batch_size=2, eos_ids=[])
-    assert generate_program._cache_size() == compiled + 1
+    assert sizes() == compiled
+    generate_ids(cfg, params, [list(range(2, 40)), [5]], max_new_tokens=5, batch_size=2, eos_ids=[])
+    assert sizes() == [n + 1 for n in compiled]
 
 
 def test_batches_larger_than_batch_size(tiny_model):

@@ -13,7 +13,12 @@ from helpers import tiny_config, tiny_tokenizer, tiny_vocab, write_hf
 
 import specjax
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loop import generate_program, spec_generate_program
+from specjax.loop import (
+    ar_finish_program,
+    ar_start_program,
+    spec_finish_program,
+    spec_start_program,
+)
 from specjax.models import config as model_config
 from specjax.models.hub import LoadedModel, load_model
 from specjax.models.llama import init_params
@@ -45,13 +50,14 @@ def test_every_form_of_draft_is_greedy_exact(tiny_model):
 
 def test_a_bad_draft_fails_before_anything_compiles(tiny_model):
     cfg, params = tiny_model
-    compiled = generate_program._cache_size(), spec_generate_program._cache_size()
+    programs = (ar_start_program, ar_finish_program, spec_start_program, spec_finish_program)
+    compiled = [program._cache_size() for program in programs]
     for bad in ("nope", "ngram:x", 3.5, ("ngram", None)):
         with pytest.raises(ValueError) as info:
             specjax.generate_ids(cfg, params, PROMPTS, max_new_tokens=4, draft=bad)
         if bad != "ngram:x":
             assert all(kind in str(info.value) for kind in specjax.available_drafters())
-    assert (generate_program._cache_size(), spec_generate_program._cache_size()) == compiled
+    assert [program._cache_size() for program in programs] == compiled
 
 
 def test_generation_config_in_place_of_loose_options(tiny_model):

@@ -11,7 +11,15 @@ from helpers import tiny_config
 from specjax.accept import accept_greedy
 from specjax.api import _pad_batch, generate_ids
 from specjax.drafters.ngram import NgramDrafter
-from specjax.loop import StopCriteria, init_state, prefill, spec_generate_program, spec_step
+from specjax.loop import (
+    StopCriteria,
+    init_state,
+    prefill,
+    spec_finish_program,
+    spec_generate_program,
+    spec_start_program,
+    spec_step,
+)
 from specjax.metrics import SpecMetrics
 from specjax.models.cache import init_cache
 from specjax.models.llama import init_params
@@ -53,10 +61,11 @@ def test_spec_program_compiles_once_per_bucket(model):
     drafter = NgramDrafter(tree=k_ary((2, 1)))
     run = lambda prompts, n: generate_ids(cfg, params, prompts, max_new_tokens=n, eos_ids=[],
                                           draft=drafter, batch_size=2)
+    sizes = lambda: (spec_start_program._cache_size(), spec_finish_program._cache_size())
     run(PROMPTS, 9)
-    size = spec_generate_program._cache_size()
+    size = sizes()
     run([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], 14)
-    assert spec_generate_program._cache_size() == size
+    assert sizes() == size
 
 
 def test_step_functions_compose_under_user_jit(model):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 from specjax import api
@@ -33,6 +32,7 @@ from specjax.prompt_io import (
     scan_output,
     trim_torn_tail,
 )
+from specjax.timing import JobStats, job_stats
 
 
 def generate_rows(args) -> list[dict]:
@@ -78,8 +78,7 @@ def cmd_generate(args) -> int:
     model = hub.load_model(args.model, dtype=args.dtype)
     drafter, drafter_params = make_draft(args, tree, model)
     out_fd = open_output(args.out) if args.out else None
-    total_tokens, spec_rows, error_ids = 0, [], []
-    start = time.perf_counter()
+    stats, spec_rows, error_ids = JobStats(), [], []
     try:
         bar = progress_bar(total=len(todo), desc="generate", unit="prompt")
         batches = api.iter_generate(
@@ -97,19 +96,16 @@ def cmd_generate(args) -> int:
                     print(gen.completion)
             else:
                 append_rows(out_fd, records, args.out)
-            total_tokens += sum(gen.num_new_tokens for gen in gens)
+            stats += job_stats(gens)
             spec_rows += [gen.spec for gen in gens if gen.spec is not None]
             error_ids += [r["id"] for r in records if r["stop_reason"] == "error"]
-            elapsed = time.perf_counter() - start
             bar.update(len(gens))
-            bar.set_postfix(tok_s=f"{total_tokens / elapsed:.1f}")
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
         bar.close()
     finally:
         if out_fd is not None:
             os.close(out_fd)
-    elapsed = time.perf_counter() - start
-    print(f"{len(todo)} prompts, {total_tokens} new tokens in {elapsed:.2f} s "
-          f"({total_tokens / elapsed:.1f} tokens/s, compile included)", file=sys.stderr)
+    print(f"{len(todo)} prompt{'s' * (len(todo) != 1)}: {stats.line()}", file=sys.stderr)
     if spec_rows:
         summary = job_summary(spec_rows)
         print("spec: " + json.dumps({k: summary[k] for k in (

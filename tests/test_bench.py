@@ -25,6 +25,7 @@ from specjax.measure.bench import (
     ideal_speedup,
     mode_stats,
     run_bench,
+    summary_lines,
     validate_report,
     warm_tokens,
 )
@@ -253,6 +254,10 @@ def test_bench_end_to_end_forced(tiny_model, tmp_path):
     assert o["spec"]["conditional_acceptance"] == [1.0, 0.0]
     assert o["spec"]["accepted_length_histogram"][0] == 0 == o["spec"]["accepted_length_histogram"][2]
     assert set(report["categories"]) == {"a", "b"}
+    for mode in (o["baseline"], o["spec"]):  # compiled in the warm-up, timed apart from it
+        assert mode["compile_s"] > 0 and mode["prefill_s"] > 0 and mode["decode_s"] > 0
+        assert mode["time_s"] == pytest.approx(mode["prefill_s"] + mode["decode_s"])
+    assert any(line.startswith("compiled in") for line in summary_lines(report))
     pytest.importorskip("matplotlib")
     from specjax.measure.plots import write_plots
 

@@ -33,7 +33,10 @@ JSON report (schema "specjax.bench", version 1; keys are stable, new keys may be
       "tokens_per_s": new_tokens / time_s,
       "decode_tokens_per_s": (new_tokens - first tokens) / (time_s - summed batch TTFTs),
                              null when the TTFT runs took as long as the full runs (tiny models),
-      "ttft_s": {"median", "mean"} over batches (a batch's first tokens arrive together)
+      "ttft_s": {"median", "mean"} over batches (a batch's first tokens arrive together),
+      "compile_s": seconds building the mode's programs (the warm-up's: timed runs build none),
+      "prefill_s", "decode_s": the full runs' two programs, summed over batches
+                               (time_s = prefill_s + decode_s)
     }
     ACCEPTANCE (vLLM definitions, `specjax.metrics.summarize`) = {
       "steps", "drafted", "accepted", "acceptance_length" (AL = 1 + accepted / steps),
@@ -60,12 +63,13 @@ from pathlib import Path
 import numpy as np
 
 from specjax import __version__
-from specjax.api import bucket, generate_ids
+from specjax.api import batch_rows, bucket, generate_ids
 from specjax.drafters.registry import make_drafter
 from specjax.measure.datasets import categories_of
 from specjax.measure.profile import device_info, draft_latency, target_latency
 from specjax.metrics import job_summary
 from specjax.progress import progress_bar
+from specjax.timing import JobStats, job_stats
 
 SCHEMA = "specjax.bench"
 SCHEMA_VERSION = 1
@@ -135,6 +139,8 @@ class ModeRecord:
     batch_times: list[float] = dataclasses.field(default_factory=list)
     ttfts: list[float] = dataclasses.field(default_factory=list)
     spec_rows: list[dict] = dataclasses.field(default_factory=list)
+    stats: JobStats = JobStats()  # the full runs' tokens, prefill and decode seconds, and the
+    # compile seconds of every run of the mode (the warm-up's included)
 
     def add(self, other: ModeRecord) -> None:
         self.new_tokens += other.new_tokens
@@ -142,6 +148,7 @@ class ModeRecord:
         self.batch_times += other.batch_times
         self.ttfts += other.ttfts
         self.spec_rows += other.spec_rows
+        self.stats += other.stats
 
 
 def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_new_tokens: int):
@@ -159,12 +166,14 @@ def timed_run(model, ids, run: RunConfig, drafter=None, drafter_params=None) -> 
     results = generate_batches(model, ids, run, drafter, drafter_params, run.max_new_tokens)
     firsts = generate_batches(model, ids, run, drafter, drafter_params, 1)
     starts = range(0, len(ids), run.batch_size)
+    stats = job_stats(results)
     return ModeRecord(
         new_tokens=sum(len(r.token_ids) for r in results),
         first_tokens=len(ids),
         batch_times=[results[i].time_s for i in starts],
         ttfts=[firsts[i].time_s for i in starts],
         spec_rows=[r.spec for r in results if r.spec is not None],
+        stats=dataclasses.replace(stats, compile_s=stats.compile_s + job_stats(firsts).compile_s),
     )
 
 
@@ -200,20 +209,22 @@ def warm_tokens(max_new_tokens: int) -> int:
     return next(n for n in range(1, max_new_tokens + 1) if bucket(n) == width)
 
 
-def warm_up(model, groups: Sequence[list[list[int]]], run: RunConfig, modes) -> None:
-    """Compiles every program (per prompt bucket, full and TTFT) that the timed runs of each
-    mode `(drafter | None, params)` will use."""
+def warm_up(model, groups: Sequence[list[list[int]]], run: RunConfig, modes) -> list[list[float]]:
+    """Compiles every program (per batch rows and prompt bucket, full and TTFT) that the timed
+    runs of each mode `(drafter | None, params)` will use; the compile seconds [group][mode]."""
     seen = set()
     short = dataclasses.replace(run, max_new_tokens=warm_tokens(run.max_new_tokens))
-    for ids in groups:
+    compile_s = [[0.0] * len(modes) for _ in groups]
+    for group, ids in enumerate(groups):
         for start in range(0, len(ids), run.batch_size):
             chunk = ids[start : start + run.batch_size]
-            width = bucket(max(len(p) for p in chunk))
-            if width in seen:
+            shape = (batch_rows(run.batch_size, len(chunk)), bucket(max(len(p) for p in chunk)))
+            if shape in seen:
                 continue
-            seen.add(width)
-            for d, p in modes:
-                timed_run(model, chunk, short, d, p)
+            seen.add(shape)
+            for mode, (d, p) in enumerate(modes):
+                compile_s[group][mode] += timed_run(model, chunk, short, d, p).stats.compile_s
+    return compile_s
 
 
 def rotated(items: Sequence, turn: int) -> list:
@@ -230,11 +241,14 @@ def measure(
 ) -> dict[str, tuple[ModeRecord, ModeRecord]]:
     """(baseline, spec) records per group, alternating the order of the modes; `progress`
     shows a bar of the timed runs (one per group, mode and repeat) on a terminal."""
+    out = {name: (ModeRecord(), ModeRecord()) for name in groups}
     if warmup:
         if log:
             log("warm-up: compiling every program shape of both modes")
-        warm_up(model, list(groups.values()), run, [(None, None), (drafter, drafter_params)])
-    out = {name: (ModeRecord(), ModeRecord()) for name in groups}
+        warm = warm_up(model, list(groups.values()), run, [(None, None), (drafter, drafter_params)])
+        for records, compile_s in zip(out.values(), warm):
+            for record, seconds in zip(records, compile_s):
+                record.stats += JobStats(compile_s=seconds)
     modes = [(0, "baseline", None, None), (1, "spec", drafter, drafter_params)]
     turn = 0
     with progress_bar(total=2 * repeats * len(groups), desc="bench", unit="run",
@@ -277,6 +291,9 @@ def mode_stats(rec: ModeRecord) -> dict:
             "median": statistics.median(rec.ttfts) if rec.ttfts else 0.0,
             "mean": statistics.fmean(rec.ttfts) if rec.ttfts else 0.0,
         },
+        "compile_s": rec.stats.compile_s,
+        "prefill_s": rec.stats.prefill_s,
+        "decode_s": rec.stats.decode_s,
     }
 
 
@@ -426,6 +443,10 @@ def summary_lines(report: dict) -> list[str]:
             f"{sec['speedup']:>7.2f} {sec['spec']['ttft_s']['median'] * 1e3:>8.1f}"
         )
     o = report["overall"]
+    if "compile_s" in o["spec"]:
+        lines.append(f"compiled in {o['baseline']['compile_s']:.1f} s (baseline) + "
+                     f"{o['spec']['compile_s']:.1f} s (spec), apart from the timed runs; spec: "
+                     f"prefill {o['spec']['prefill_s']:.2f} s, decode {o['spec']['decode_s']:.2f} s")
     if o.get("system_efficiency"):
         lines.append(f"ideal speedup {o['ideal_speedup']:.2f}, decode speedup {o['decode_speedup']:.2f}, "
                      f"system efficiency {o['system_efficiency']:.1%}")

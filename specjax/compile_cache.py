@@ -112,12 +112,12 @@ class CheckedFileCache(CacheInterface):
             return None
         except OSError as e:
             warnings.warn(f"specjax: cannot read compile cache entry {path} ({e.strerror}): "
-                          "compiling again", RuntimeWarning, stacklevel=2)
+                          "compiling again", RuntimeWarning, stacklevel=1)
             return None
         payload = unpack_entry(key, data)
         if payload is None:
             warnings.warn(f"specjax: compile cache entry {path} is corrupt or not this "
-                          "program's: removed, compiling again", RuntimeWarning, stacklevel=2)
+                          "program's: removed, compiling again", RuntimeWarning, stacklevel=1)
             path.unlink(missing_ok=True)
             return None
         try:
@@ -139,7 +139,7 @@ class CheckedFileCache(CacheInterface):
         except OSError as e:
             temporary.unlink(missing_ok=True)
             warnings.warn(f"specjax: cannot write compile cache entry {path} ({e.strerror}): "
-                          "not cached", RuntimeWarning, stacklevel=2)
+                          "not cached", RuntimeWarning, stacklevel=1)
 
 
 def user_cache_folder() -> Path | None:

@@ -7,6 +7,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
+from specjax import __version__
 from specjax.cli import bench, export, generate, profile, train, tune
 from specjax.cli.options import HelpFormatter
 from specjax.compile_cache import use_compile_cache
@@ -27,8 +28,6 @@ def version() -> str:
     try:
         return importlib.metadata.version("specjax")
     except importlib.metadata.PackageNotFoundError:
-        from specjax import __version__
-
         return __version__
 
 

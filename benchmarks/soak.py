@@ -43,16 +43,16 @@ class Sampler(threading.Thread):
 
     def __init__(self, period: float = 0.5):
         super().__init__(daemon=True)
-        self.period, self.samples, self._stop = period, [], threading.Event()
+        self.period, self.samples, self._halt = period, [], threading.Event()
         self.start_time = time.perf_counter()
 
     def run(self):
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.samples.append((time.perf_counter() - self.start_time, rss_mib()))
-            self._stop.wait(self.period)
+            self._halt.wait(self.period)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -24,16 +25,39 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.draft_model import draw_children, tree_levels
+from specjax.drafters.draft_model import child_tables, draw_children, tree_levels
 from specjax.drafters.learned.blocks import TargetView
 from specjax.rng import split_rows
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
 
-#: expand(level, tokens of that level's nodes `[B, n]`, carry)
-#:   -> (logits `[B, n | 1, V]` of the children of each of those nodes, carry)
-Expand = Callable[[int, jax.Array, object], tuple[jax.Array, object]]
+#: expand(level, tokens of that level's nodes `[B, C]`, carry)
+#:   -> (logits `[B, C | 1, V]` of the children of each of those nodes, carry)
+#: level: a traced int32 scalar; the tokens are in `level_tables(tree).nodes[level]` order, padded
+#: to the widest level C (padding columns hold garbage, and what is computed from them is dropped)
+Expand = Callable[[jax.Array, jax.Array, object], tuple[jax.Array, object]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LevelTables:
+    """The tree's levels as padded tables, row d = the nodes of depth d + 1 (`draft_model`'s
+    `child_tables`, padding: node index N, dropped on scatter), plus `cols` `[Dmax, C]`: each
+    node's parent's column among the previous level's nodes (0 at depth 1 and for padding)."""
+
+    nodes: np.ndarray
+    ranks: np.ndarray
+    cols: np.ndarray
+    num_ranks: int
+
+
+@functools.cache
+def level_tables(tree: TreeSpec) -> LevelTables:
+    children = child_tables(tree)
+    cols = np.zeros_like(children.nodes)
+    for d, level in enumerate(tree_levels(tree)):
+        cols[d, : len(level.parent_cols)] = level.parent_cols
+    return LevelTables(children.nodes, children.ranks, cols, children.num_ranks)
 
 
 def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry, key: jax.Array,
@@ -42,33 +66,49 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
     level; children are drawn by `draft_model.draw_children` (argmax ranks when greedy, Gumbel
     top-k = sampling without replacement otherwise, with the distribution each was drawn from).
 
-    expand(i, tokens of level i, carry) gives the logits of level i + 1's parents: one row per
-    level-i node, or a single row shared by all of them (drafters whose depth-d distribution
-    does not depend on the parent: Medusa, DFlash).
+    expand(level, tokens of that level's nodes, carry) gives the logits of level + 1's parents:
+    one row per node of the level (padded to the widest level, `Expand`), or a single row
+    shared by all of them (drafters whose depth-d distribution does not depend on the parent:
+    Medusa, DFlash). The levels are ONE `lax.scan` (draw a level, then expand it unless it is
+    the last), so the program holds one draw and one expand whatever the tree's depth.
     Returns (tokens `[B, N]`, valid `[B, N]`, probs `[B, N, V]`, node log-probs `[B, N]` of each
     token under the drafter's raw (temperature 1) distribution, carry).
     """
     batch, vocab = first_logits.shape[0], first_logits.shape[-1]
-    num = tree.num_nodes
-    tokens = jnp.zeros((batch, num), jnp.int32)
-    valid = jnp.ones((batch, num), bool)
-    probs = jnp.zeros((batch, num, vocab), jnp.float32)
-    logp = jnp.zeros((batch, num), jnp.float32)
-    levels = tree_levels(tree)
-    keys = split_rows(key, batch, tree.max_depth)  # [Dmax, B, 2]: one per level and row
+    num, depth = tree.num_nodes, tree.max_depth
+    tables = level_tables(tree)
+    level_tokens = lambda tokens, nodes: jnp.take(tokens, nodes, axis=1, mode="clip")
+    init = (jnp.zeros((batch, num), jnp.int32), jnp.ones((batch, num), bool),
+            jnp.zeros((batch, num, vocab), jnp.float32), jnp.zeros((batch, num), jnp.float32))
+    rows = jax.eval_shape(expand, jnp.int32(0), level_tokens(init[0], tables.nodes[0]), carry)[0]
     logits = first_logits
-    for i, level in enumerate(levels):
-        if i > 0:
-            logits, carry = expand(i - 1, tokens[:, np.asarray(levels[i - 1].nodes)], carry)
-        cols = np.asarray(level.parent_cols if logits.shape[1] > 1 else (0,) * len(level.nodes))
-        tok, ok, q = draw_children(keys[i], logits, jnp.asarray(cols), jnp.asarray(level.ranks),
-                                   level.num_ranks, sampling)
-        idx = np.asarray(level.nodes)
-        raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, cols], -1), tok[..., None], -1)
-        tokens = tokens.at[:, idx].set(tok.astype(jnp.int32))
-        valid = valid.at[:, idx].set(ok)
-        probs = probs.at[:, idx].set(q)
-        logp = logp.at[:, idx].set(raw[..., 0])
+    if rows.shape[1] > 1:  # one row per parent: the root's row for every column of depth 1
+        logits = jnp.broadcast_to(first_logits, (batch, rows.shape[1], vocab))
+    logits = logits.astype(rows.dtype)
+    xs = {"level": jnp.arange(depth, dtype=jnp.int32), "nodes": jnp.asarray(tables.nodes),
+          "ranks": jnp.asarray(tables.ranks),
+          "cols": jnp.asarray(tables.cols if logits.shape[1] > 1 else np.zeros_like(tables.cols)),
+          "key": split_rows(key, batch, depth)}  # [Dmax, B, 2]: one per level and row
+
+    def level(state, t):
+        (tokens, valid, probs, logp), logits, carry = state
+        tok, ok, q = draw_children(t["key"], logits, t["cols"], t["ranks"], tables.num_ranks,
+                                   sampling)
+        raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, t["cols"]].astype(jnp.float32), -1),
+                                  tok[..., None], -1)[..., 0]
+        nodes = t["nodes"]
+        drafted = (tokens.at[:, nodes].set(tok.astype(jnp.int32), mode="drop"),
+                   valid.at[:, nodes].set(ok, mode="drop"),
+                   probs.at[:, nodes].set(q, mode="drop"),
+                   logp.at[:, nodes].set(raw, mode="drop"))
+        logits, carry = jax.lax.cond(
+            t["level"] + 1 < depth,
+            lambda: expand(t["level"], level_tokens(drafted[0], nodes), carry),
+            lambda: (logits, carry),
+        )
+        return (drafted, logits, carry), None
+
+    ((tokens, valid, probs, logp), _, carry), _ = jax.lax.scan(level, (init, logits, carry), xs)
     return tokens, valid, probs, logp, carry
 
 

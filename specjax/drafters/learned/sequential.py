@@ -44,6 +44,7 @@ from specjax.drafters.learned.drafting import (
     accepted_rows,
     draft_levels,
     gather_tokens,
+    level_tables,
     make_draft,
     path_log_probs,
 )
@@ -172,23 +173,29 @@ class SequentialDrafter(HeadDrafter):
         node_shape = (batch, tree.num_nodes, c.num_kv_heads, c.head_dim)
         carry = (jnp.zeros(node_shape, c.jnp_dtype), jnp.zeros(node_shape, c.jnp_dtype),
                  jnp.zeros((batch, tree.num_nodes, c.hidden_size), c.jnp_dtype))
-        ancestors = np.asarray(tree.node_ancestor_mask)
+        nodes_at = level_tables(tree).nodes  # [Dmax, C] each level's nodes, padded with N
+        parents_at = np.asarray(tree.parents + (-1,))[nodes_at]  # parent node index (-1: root)
+        # each node's ancestor mask row; padding (node N) sees no node (its output is dropped)
+        ancestors = np.concatenate([tree.node_ancestor_mask, np.zeros((1, tree.num_nodes), bool)])
+        prefix = (*cache.layer_kv(0), prefix_mask(cache.lengths, cache.capacity))
 
         def expand(level, tokens, carry):
             node_k, node_v, node_out = carry
-            nodes = np.asarray(tree.levels[level])
-            parents = np.asarray([tree.parents[i] for i in nodes])
-            feature = (jnp.broadcast_to(state.last[:, None], (batch, len(nodes), c.hidden_size))
-                       if level == 0 else node_out[:, parents])
-            positions = jnp.broadcast_to(cache.lengths[:, None] + level, (batch, len(nodes)))
+            nodes = jnp.asarray(nodes_at)[level]  # [C]
+            parents = jnp.asarray(parents_at)[level]
+            width = nodes.shape[0]
+            feature = jnp.where(level == 0,
+                                jnp.broadcast_to(state.last[:, None], (batch, width, c.hidden_size)),
+                                jnp.take(node_out, parents, axis=1, mode="clip"))
+            positions = jnp.broadcast_to(cache.lengths[:, None] + level, (batch, width))
             emb = self.view.embed(params["target"], tokens)
             q, k, v, residual = self._call(params, "cell_qkv", feature, emb, positions)
-            node_k, node_v = node_k.at[:, nodes].set(k), node_v.at[:, nodes].set(v)
-            parts = [(*cache.layer_kv(0), prefix_mask(cache.lengths, cache.capacity)),
-                     (node_k, node_v, jnp.asarray(ancestors[nodes])[None])]
+            node_k = node_k.at[:, nodes].set(k, mode="drop")
+            node_v = node_v.at[:, nodes].set(v, mode="drop")
+            parts = [prefix, (node_k, node_v, jnp.asarray(ancestors)[nodes][None])]
             out = self._call(params, "cell_finish", attention(q, parts), residual)
             logits = self._call(params, "logits", out, params["target"])
-            return logits, (node_k, node_v, node_out.at[:, nodes].set(out))
+            return logits, (node_k, node_v, node_out.at[:, nodes].set(out, mode="drop"))
 
         first = self._call(params, "logits", state.last[:, None], params["target"])
         tokens, valid, probs, logp, _ = draft_levels(tree, first, expand, carry, key, sampling)

@@ -253,7 +253,8 @@ def accept(
     """One entry point. rule (static):
 
     - "auto": `accept_greedy` when params.temperature == 0, else `accept_sampling`
-      (a `lax.cond` on params.is_greedy, so temperature stays a dynamic value);
+      (`params.branch`: only that rule when params.greedy is static, else a `lax.cond` on
+      params.is_greedy);
     - "greedy" / "sampling": that rule unconditionally;
     - "typical": `accept_typical` (lossy; needs lossy=True; typical_kwargs = epsilon, alpha).
     Shapes as in the module docstring.
@@ -267,8 +268,7 @@ def accept(
     if rule == "typical":
         return accept_typical(key, target_logits, draft, tree, params, lossy=lossy,
                               **typical_kwargs)
-    return jax.lax.cond(
-        params.is_greedy,
+    return params.branch(
         lambda: accept_greedy(target_logits, draft, tree),
         lambda: accept_sampling(key, target_logits, draft, tree, params),
     )

@@ -1,6 +1,9 @@
 """Logit processing and sampling, all in f32.
 
-Temperature, top-k and top-p are dynamic values (a pytree), so changing them never recompiles.
+Temperature, top-k and top-p are dynamic values (a pytree), so changing them never recompiles;
+only greedy or not is static when `SamplingParams.make` built the params (`greedy`): a greedy
+program then holds no sampling code (no PRNG draws, no top-k / top-p, no rejection sampling)
+and a sampling program no greedy branch, which is most of a CPU compile's kernels.
 The same `probabilities` transform is applied to the target's and the drafter's logits before
 any acceptance rule, which is what makes speculative sampling exact.
 """
@@ -22,11 +25,15 @@ class SamplingParams:
     """Dynamic sampling knobs (scalars, shared by every row of a batch).
 
     temperature: 0 means greedy (argmax); top_k: 0 means off; top_p: 1.0 means off.
+    greedy: static (part of the jit cache key): True / False = whether temperature is 0, so
+      only that branch is compiled (`branch`); None = decided at run time from temperature
+      (one program serves both, e.g. params built by hand or vmapped over temperatures).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    greedy: bool | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
@@ -44,11 +51,20 @@ class SamplingParams:
             temperature=jnp.float32(temperature),
             top_k=jnp.int32(top_k or 0),
             top_p=jnp.float32(1.0 if top_p is None else top_p),
+            greedy=bool(temperature == 0),
         )
 
     @property
-    def is_greedy(self) -> jax.Array:
-        return self.temperature <= 0.0
+    def is_greedy(self) -> jax.Array | bool:
+        """Greedy or not: the static `greedy` (a Python bool) when known, else `temperature <= 0`."""
+        return self.temperature <= 0.0 if self.greedy is None else self.greedy
+
+    def branch(self, greedy_fn, sampled_fn, *operands):
+        """`lax.cond(is_greedy, greedy_fn, sampled_fn, *operands)`, or only the one branch when
+        `greedy` is static (the other is never traced, so it costs no compile time)."""
+        if self.greedy is None:
+            return jax.lax.cond(self.is_greedy, greedy_fn, sampled_fn, *operands)
+        return (greedy_fn if self.greedy else sampled_fn)(*operands)
 
 
 def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -67,7 +83,12 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
 
 
 def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, then top-k, then top-p, on f32 logits `[..., V]`. Unfiltered tokens are -inf."""
+    """Temperature, then top-k, then top-p, on f32 logits `[..., V]`. Unfiltered tokens are -inf.
+
+    Static greedy params (`SamplingParams.greedy`): the f32 logits unfiltered, as `sample` and
+    `probabilities` use them (the argmax, which no filter removes)."""
+    if params.greedy:
+        return logits.astype(jnp.float32)
     logits = logits.astype(jnp.float32) / jnp.where(params.is_greedy, 1.0, params.temperature)
     needs_filter = (params.top_k > 0) | (params.top_p < 1.0)
     return jax.lax.cond(
@@ -87,7 +108,7 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     def sampled(x):
         return jax.nn.softmax(processed_logits(x, params), axis=-1)
 
-    return jax.lax.cond(params.is_greedy, greedy, sampled, logits.astype(jnp.float32))
+    return params.branch(greedy, sampled, logits.astype(jnp.float32))
 
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -99,4 +120,4 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
     def sampled(x):
         return jax.random.categorical(key, processed_logits(x, params), axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(params.is_greedy, greedy, sampled, logits.astype(jnp.float32))
+    return params.branch(greedy, sampled, logits.astype(jnp.float32))

@@ -111,7 +111,7 @@ def test_greedy_speculative_equals_plain_greedy(spec, tree_name):
     assert any(reason == "eos" for _, reason in with_eos)
     assert outputs(run(PROMPTS, draft, eos=eos)) == with_eos
     assert outputs(run(PROMPTS, draft, max_new=7)) == plain(PROMPTS, max_new=7)
-    sampled = run(PROMPTS, draft, temperature=0.8, top_k=5, top_p=0.9)  # same program
+    sampled = run(PROMPTS, draft, temperature=0.8, top_k=5, top_p=0.9)  # the sampling program
     assert all(len(r.token_ids) == MAX_NEW for r in sampled)
 
 

@@ -65,8 +65,16 @@ def test_same_bucket_does_not_recompile(tiny_model):
     sizes = lambda: [ar_start_program._cache_size(), ar_finish_program._cache_size()]
     generate_ids(cfg, params, [[1, 2, 3], [4]], max_new_tokens=5, batch_size=2, eos_ids=[])
     compiled = sizes()
+    generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[])
+    assert sizes() == compiled
+    # greedy or not is static (a greedy program holds no sampling code): one sampling program,
+    # shared by every temperature / top-k / top-p
     generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
                  temperature=0.7, top_k=5)
+    compiled = [n + 1 for n in compiled]
+    assert sizes() == compiled
+    generate_ids(cfg, params, [[4, 5], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
+                 temperature=1.3, top_p=0.9)
     assert sizes() == compiled
     generate_ids(cfg, params, [list(range(2, 40)), [5]], max_new_tokens=5, batch_size=2, eos_ids=[])
     assert sizes() == [n + 1 for n in compiled]

@@ -235,8 +235,12 @@ def draw_children(
     (the distribution each child was drawn from; see the module docstring).
     """
     scores = processed_logits(logits, sampling)  # [B, K, V], -inf outside top-k / top-p
-    noise = per_row(key, scores.shape[0], lambda k: jax.random.gumbel(k, scores.shape[1:], jnp.float32))
-    noisy = scores + jnp.where(sampling.is_greedy, 0.0, noise)
+    if sampling.greedy:  # static: no draw at all
+        noisy = scores
+    else:
+        noise = per_row(key, scores.shape[0],
+                        lambda k: jax.random.gumbel(k, scores.shape[1:], jnp.float32))
+        noisy = scores + jnp.where(sampling.is_greedy, 0.0, noise)
     cand_scores, cand = jax.lax.top_k(noisy, num_ranks)  # [B, K, R]
     tokens = cand[:, cols, ranks]
     ok = jnp.isfinite(cand_scores[:, cols, ranks])

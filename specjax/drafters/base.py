@@ -20,10 +20,12 @@ the root of the next step is `decode.last_token`, at position `decode.num_tokens
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.accept import accept
 from specjax.sampling import SamplingParams
@@ -89,30 +91,56 @@ class Drafter:
         return accept(key, target_logits, draft, self.tree, sampling)
 
 
+@functools.cache
+def _candidate_levels(tree: TreeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """nodes, parents (verify index), ranks `[Dmax, C]`: row d = the nodes of depth d + 1,
+    padded to the widest level C with node N (dropped on scatter), parent 0 and rank 0."""
+    width = max(len(level) for level in tree.levels)
+    nodes = np.full((tree.max_depth, width), tree.num_nodes, np.int32)
+    parents = np.zeros((tree.max_depth, width), np.int32)
+    ranks = np.zeros((tree.max_depth, width), np.int32)
+    for d, level in enumerate(tree.levels):
+        nodes[d, : len(level)] = level
+        parents[d, : len(level)] = [tree.parents[i] + 1 for i in level]
+        ranks[d, : len(level)] = [tree.ranks[i] for i in level]
+    return nodes, parents, ranks
+
+
 def candidates_to_draft(cand_tokens: jax.Array, cand_valid: jax.Array, tree: TreeSpec) -> Draft:
     """Lays K candidate continuations out on a static tree (a trie, ranked by candidate order).
 
     cand_tokens, cand_valid: `[B, K, Dmax]`; candidate 0 is the most preferred. A node with
     rank r among its siblings takes the r-th distinct next token among the candidates that
     agree with the node's path so far (in candidate order). A chain takes candidate 0.
+    The levels are one `lax.scan` (all nodes of a level at once), so the program holds one
+    level's code whatever the tree.
     Returns a Draft without probabilities (deterministic drafter: q is one-hot).
     """
     batch, num_cand, _ = cand_tokens.shape
-    # consistent[v]: [B, K] candidates agreeing with verify node v's path (v = 0: the root).
-    consistent = [jnp.ones((batch, num_cand), bool)]
-    tokens, valid = [], []
+    nodes, parents, ranks = _candidate_levels(tree)
     earlier = jnp.tril(jnp.ones((num_cand, num_cand), bool), k=-1)  # [K, K] c' < c
-    for parent, rank, depth in zip(tree.parents, tree.ranks, tree.depth):
-        ok = consistent[parent + 1] & cand_valid[:, :, depth - 1]  # [B, K]
-        tok = cand_tokens[:, :, depth - 1]  # [B, K]
+    # consistent[:, v]: [B, K] candidates agreeing with verify node v's path (v = 0: the root)
+    consistent = jnp.zeros((batch, tree.num_nodes + 1, num_cand), bool).at[:, 0].set(True)
+    tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32)
+    valid = jnp.zeros((batch, tree.num_nodes), bool)
+
+    def level(carry, t):
+        consistent, tokens, valid = carry
+        ok = consistent[:, t["parents"]] & cand_valid[:, None, :, t["depth"]]  # [B, C, K]
+        tok = cand_tokens[:, :, t["depth"]]  # [B, K]
         same = tok[:, :, None] == tok[:, None, :]  # [B, K, K']
-        seen_before = jnp.any(same & earlier[None] & ok[:, None, :], axis=-1)
+        seen_before = jnp.any(same[:, None] & earlier & ok[:, :, None, :], axis=-1)
         first = ok & ~seen_before
-        distinct_rank = jnp.cumsum(first, axis=1) - 1
-        chosen = first & (distinct_rank == rank)  # at most one per row
-        node_valid = jnp.any(chosen, axis=1)
-        node_token = jnp.sum(jnp.where(chosen, tok, 0), axis=1)
-        tokens.append(node_token)
-        valid.append(node_valid)
-        consistent.append(ok & (tok == node_token[:, None]) & node_valid[:, None])
-    return Draft(tokens=jnp.stack(tokens, 1).astype(jnp.int32), valid=jnp.stack(valid, 1))
+        distinct_rank = jnp.cumsum(first, axis=-1) - 1
+        chosen = first & (distinct_rank == t["ranks"][None, :, None])  # at most one per node
+        node_valid = jnp.any(chosen, axis=-1)  # [B, C]
+        node_token = jnp.sum(jnp.where(chosen, tok[:, None, :], 0), axis=-1)
+        agree = ok & (tok[:, None, :] == node_token[..., None]) & node_valid[..., None]
+        return (consistent.at[:, t["nodes"] + 1].set(agree, mode="drop"),
+                tokens.at[:, t["nodes"]].set(node_token.astype(jnp.int32), mode="drop"),
+                valid.at[:, t["nodes"]].set(node_valid, mode="drop")), None
+
+    xs = {"nodes": jnp.asarray(nodes), "parents": jnp.asarray(parents),
+          "ranks": jnp.asarray(ranks), "depth": jnp.arange(tree.max_depth)}
+    (_, tokens, valid), _ = jax.lax.scan(level, (consistent, tokens, valid), xs)
+    return Draft(tokens=tokens, valid=valid)

@@ -2,7 +2,9 @@
 
 The drafter params are the target's params; `model_params` slices the stacked layer params
 `[L, ...]` to `[:K]` and everything else (draft KV cache, chain/tree expansion, probabilities)
-is `DraftModelDrafter`'s, run with `cfg.replace(num_layers=K)`.
+is `DraftModelDrafter`'s, run with `cfg.replace(num_layers=K)`. Prefill runs no forward: the
+target's prefill computed the first K layers over the prompts already, so the draft cache starts
+as the first K layers of the target's cache (one forward less to compile and to run).
 """
 from __future__ import annotations
 
@@ -38,6 +40,18 @@ class LayerSkipDrafter(DraftModelDrafter):
                 f"layerskip:K needs 1 <= K <= {target_cfg.num_layers} (the target's layers), "
                 f"got K={self.num_layers}"
             )
+
+    def prefill(self, params, state, decode, target_out):
+        """The draft cache = the first K layers of the target's cache after its prefill (the
+        same layers over the same prompts; entries from the first sampled token on are
+        re-fed by `propose` before they are read)."""
+        target, own = decode.cache, state.cache
+        capacity = own.capacity
+        if (target.capacity < capacity or target.k.dtype != own.k.dtype
+                or target.k.shape[1:4] != own.k.shape[1:4]):
+            return super().prefill(params, state, decode, target_out)
+        return state.replace(cache=own.replace(k=target.k[: self.num_layers, ..., :capacity],
+                                               v=target.v[: self.num_layers, :, :, :capacity]))
 
     def model_params(self, params):
         """The target's params with the stacked layers cut to the first K."""

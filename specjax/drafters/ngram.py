@@ -24,16 +24,17 @@ def match_scores(tokens: jax.Array, num_tokens: jax.Array, n_min: int, n_max: in
     """
     batch, width = tokens.shape
     starts = jnp.arange(width)[None, :]  # [1, W]
-    score = jnp.full((batch, width), -1, jnp.int32)
-    for n in range(n_min, n_max + 1):
-        suffix_idx = num_tokens[:, None] - n + jnp.arange(n)[None, :]  # [B, n]
-        suffix = jnp.take_along_axis(tokens, jnp.clip(suffix_idx, 0, width - 1), axis=1)
-        window_idx = starts[:, :, None] - n + jnp.arange(n)[None, None, :]  # [1, W, n]
-        windows = tokens[:, jnp.clip(window_idx[0], 0, width - 1)]  # [B, W, n]
-        equal = jnp.all(windows == suffix[:, None, :], axis=-1)
-        ok = equal & (starts >= n) & (starts < num_tokens[:, None]) & (num_tokens[:, None] > n)
-        score = jnp.where(ok, n * width + starts, score)
-    return score
+    back = jnp.arange(n_max)  # j: compare tokens[s - 1 - j] with the row's tokens[L - 1 - j]
+    suffix_idx = num_tokens[:, None] - 1 - back[None, :]  # [B, n_max]
+    suffix = jnp.take_along_axis(tokens, jnp.clip(suffix_idx, 0, width - 1), axis=1)
+    window_idx = starts[0, :, None] - 1 - back[None, :]  # [W, n_max]
+    windows = tokens[:, jnp.clip(window_idx, 0, width - 1)]  # [B, W, n_max]
+    equal = (windows == suffix[:, None, :]) & (window_idx >= 0)[None] & (suffix_idx >= 0)[:, None]
+    # the longest n whose suffix matches, at most n_max and L - 1: every n <= it matches too
+    run = jnp.sum(jnp.cumprod(equal, axis=-1), axis=-1)  # [B, W]
+    n = jnp.minimum(run, num_tokens[:, None] - 1)
+    ok = (n >= n_min) & (starts < num_tokens[:, None])
+    return jnp.where(ok, n * width + starts, -1).astype(jnp.int32)
 
 
 def continuations(

@@ -119,10 +119,12 @@ def candidates_to_draft(cand_tokens: jax.Array, cand_valid: jax.Array, tree: Tre
     batch, num_cand, _ = cand_tokens.shape
     nodes, parents, ranks = _candidate_levels(tree)
     earlier = jnp.tril(jnp.ones((num_cand, num_cand), bool), k=-1)  # [K, K] c' < c
-    # consistent[:, v]: [B, K] candidates agreeing with verify node v's path (v = 0: the root)
-    consistent = jnp.zeros((batch, tree.num_nodes + 1, num_cand), bool).at[:, 0].set(True)
-    tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32)
-    valid = jnp.zeros((batch, tree.num_nodes), bool)
+    # consistent[:, v]: [B, K] candidates agreeing with verify node v's path (v = 0: the root);
+    # the carries are made `like` the inputs, so they vary over a shard_map axis as they do
+    like = lambda shape, dtype: jnp.zeros_like(cand_tokens, dtype, shape=shape)
+    consistent = like((batch, tree.num_nodes + 1, num_cand), bool).at[:, 0].set(True)
+    tokens = like((batch, tree.num_nodes), jnp.int32)
+    valid = like((batch, tree.num_nodes), bool)
 
     def level(carry, t):
         consistent, tokens, valid = carry

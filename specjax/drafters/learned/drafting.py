@@ -78,8 +78,9 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
     num, depth = tree.num_nodes, tree.max_depth
     tables = level_tables(tree)
     level_tokens = lambda tokens, nodes: jnp.take(tokens, nodes, axis=1, mode="clip")
-    init = (jnp.zeros((batch, num), jnp.int32), jnp.ones((batch, num), bool),
-            jnp.zeros((batch, num, vocab), jnp.float32), jnp.zeros((batch, num), jnp.float32))
+    like = lambda shape, dtype, fill=0: jnp.full_like(first_logits, fill, dtype, shape=shape)
+    init = (like((batch, num), jnp.int32), like((batch, num), bool, True),  # vary like the input
+            like((batch, num, vocab), jnp.float32), like((batch, num), jnp.float32))
     rows = jax.eval_shape(expand, jnp.int32(0), level_tokens(init[0], tables.nodes[0]), carry)[0]
     logits = first_logits
     if rows.shape[1] > 1:  # one row per parent: the root's row for every column of depth 1

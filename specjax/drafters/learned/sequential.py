@@ -171,8 +171,8 @@ class SequentialDrafter(HeadDrafter):
         batch = state.last.shape[0]
         c = self.head.layer
         node_shape = (batch, tree.num_nodes, c.num_kv_heads, c.head_dim)
-        carry = (jnp.zeros(node_shape, c.jnp_dtype), jnp.zeros(node_shape, c.jnp_dtype),
-                 jnp.zeros((batch, tree.num_nodes, c.hidden_size), c.jnp_dtype))
+        like = lambda shape: jnp.zeros_like(state.last, c.jnp_dtype, shape=shape)  # vary like it
+        carry = (like(node_shape), like(node_shape), like((batch, tree.num_nodes, c.hidden_size)))
         nodes_at = level_tables(tree).nodes  # [Dmax, C] each level's nodes, padded with N
         parents_at = np.asarray(tree.parents + (-1,))[nodes_at]  # parent node index (-1: root)
         # each node's ancestor mask row; padding (node N) sees no node (its output is dropped)

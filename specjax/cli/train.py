@@ -26,7 +26,6 @@ from specjax.drafters.learned.kind import HeadOption
 from specjax.drafters.learned.registry import KINDS, get_kind, make_head_config, option_flags
 from specjax.models import hub
 from specjax.prompt_io import read_prompts
-from specjax.train.trainer import STAGING_DIR, TrainConfig, prepare_data, train_drafter
 
 
 def option_help(takers: list[tuple[str, HeadOption]]) -> str:
@@ -109,6 +108,8 @@ def check_out_folder(out: Path, resume: bool) -> None:
             pass
     except OSError as e:
         raise InputError(f"--out {out}: cannot write there ({e.strerror})") from None
+    from specjax.train.trainer import STAGING_DIR  # optax + orbax: ~1.5 s other commands skip
+
     held = sorted(p.name for p in out.iterdir() if p.name != STAGING_DIR)
     if held and not resume:
         raise InputError(f"--out {out} is not empty (holds {', '.join(held[:4])}): pass --resume "
@@ -125,6 +126,12 @@ def check_against_target(args, cfg) -> None:
 
 
 def cmd_train_drafter(args) -> int:
+    from specjax.train.trainer import (  # optax + orbax: ~1.5 s other commands skip
+        TrainConfig,
+        prepare_data,
+        train_drafter,
+    )
+
     out = Path(args.out)
     check_options(args)
     check_out_folder(out, args.resume)

@@ -17,7 +17,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
 from specjax.drafters.learned.drafting import drafter_params
 from specjax.drafters.learned.hf import load_upstream, save_upstream
@@ -85,6 +84,8 @@ def load_trained(folder: str | Path, target_cfg: ModelConfig, step: int | None =
     (default: its latest checkpoint). The optimizer state is not read."""
     folder = Path(folder)
     _desc, head_cfg = read_description(folder, target_cfg)
+    import orbax.checkpoint as ocp  # ~1 s of start-up that only loading a trained head needs
+
     mngr = ocp.CheckpointManager((folder / CHECKPOINTS).absolute())
     try:
         step = mngr.latest_step() if step is None else step

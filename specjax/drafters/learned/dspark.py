@@ -32,7 +32,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from specjax.drafters.learned.blocks import TargetView, output_norm_from_target
 from specjax.drafters.learned.dflash import (
@@ -112,6 +111,8 @@ def dspark_loss(head_cfg: DSparkConfig, variables, parts, tout, batch, key):
     target_logits = view.logits(parts, target_hidden)  # [B, A, D, V]
     tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits, -1) - jax.nn.softmax(target_logits, -1)), -1)
     conf = model.apply(variables, blocks.hidden, prev, method="confidence_logit")
+    import optax  # ~0.3 s of start-up that only training needs
+
     bce = optax.sigmoid_binary_cross_entropy(conf, jax.lax.stop_gradient(1.0 - tv))
     ce = weighted_mean(hard_cross_entropy(logits, labels), weights)
     tv_mean, bce_mean = weighted_mean(tv, weights), weighted_mean(bce, weights)

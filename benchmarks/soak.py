@@ -1,7 +1,7 @@
 """Soak test of a long `specjax generate` job (not CI): memory, recompilation, exactly-once rows.
 
-Runs ONE `specjax generate` job in this process on N prompts (Spec-Bench questions cycled with
-distinct ids) while a thread samples the resident set size and the rows written so far, and a
+Runs ONE `specjax generate` job in this process on N prompts (Spec-Bench questions of at most
+--max-prompt-chars characters, cycled with distinct ids) while a thread samples the resident set size and the rows written so far, and a
 `jax_log_compiles` handler records every program compiled (with the rows written then). Warm-up
 = the batches holding the first pass over the distinct prompts (batches follow the file's
 order, so every prompt bucket appears in it). Checks, and prints as one JSON object:
@@ -84,12 +84,14 @@ class CompileLog(logging.Handler):
             self.compiles.append((rows_written(self.out_path), message.split(" with ")[0][:160]))
 
 
-def cycled_prompts(source: str, count: int, path: Path) -> int:
-    """Writes `count` rows cycling the first turns of `source` (ids 0..count-1); returns the
-    number of distinct prompts."""
+def cycled_prompts(source: str, count: int, path: Path, max_chars: int) -> int:
+    """Writes `count` rows cycling the first turns of `source` of at most `max_chars`
+    characters (ids 0..count-1); returns the number of distinct prompts."""
     from specjax.prompt_io import read_prompts
 
-    base = read_prompts(source)
+    base = [row for row in read_prompts(source) if len(row["prompt"]) <= max_chars]
+    if not base:
+        raise SystemExit(f"{source}: no prompt of at most {max_chars} characters")
     with open(path, "w", encoding="utf-8") as f:
         for i in range(count):
             row = base[i % len(base)]
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="../shared/data/spec_bench/question.jsonl")
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-chars", type=int, default=1000,
+                   help="use the prompts of at most this many characters (the long Spec-Bench "
+                        "ones, up to 6k tokens, make a 2,000-prompt job take hours on 2 cores)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default=None)
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="specjax_soak_"))
     prompts_path = work / "prompts.jsonl"
-    distinct = cycled_prompts(args.prompts, args.num_prompts, prompts_path)
+    distinct = cycled_prompts(args.prompts, args.num_prompts, prompts_path, args.max_prompt_chars)
     out_path = Path(args.out) if args.out else work / "out.jsonl"
     if out_path.exists():
         out_path.unlink()

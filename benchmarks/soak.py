@@ -1,8 +1,9 @@
 """Soak test of a long `specjax generate` job (not CI): memory, recompilation, exactly-once rows.
 
 Runs ONE `specjax generate` job in this process on N prompts (Spec-Bench questions of at most
---max-prompt-chars characters, cycled with distinct ids) while a thread samples the resident set size and the rows written so far, and a
-`jax_log_compiles` handler records every program compiled (with the rows written then). Warm-up
+--max-prompt-chars characters, cycled with distinct ids) while a thread samples the resident
+set size and the rows written so far, and a `jax_log_compiles` handler records every program
+compiled (with the rows written then). Warm-up
 = the batches holding the first pass over the distinct prompts (batches follow the file's
 order, so every prompt bucket appears in it). Checks, and prints as one JSON object:
   - resident memory flat after warm-up (max RSS after it minus RSS at its end, MiB),

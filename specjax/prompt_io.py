@@ -88,9 +88,17 @@ def scan_output(path: str | os.PathLike) -> OutputScan:
     return OutputScan(tuple(rows), frozenset(ids), tuple(corrupt), torn)
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def rewrite_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Replaces the file `path` by `data` at once: a temp file beside it (same mode), fsynced,
-    then os.replace; a crash leaves the old file or the new one, never a mix."""
+    then os.replace; a crash leaves the old file or the new one, never a mix. A new file gets
+    the default mode."""
     path = Path(path).resolve()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -98,7 +106,10 @@ def rewrite_atomically(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        shutil.copymode(path, tmp)
+        if path.exists():
+            shutil.copymode(path, tmp)
+        else:
+            os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -11,13 +11,16 @@ from specjax.cli.options import (
     InputError,
     add_draft_args,
     add_model_args,
+    add_process_args,
     add_sampling_args,
     add_subcommand,
     check_output_path,
     draft_shape,
     load_tuned,
     make_draft,
+    process_spec_of,
 )
+from specjax.distributed import initialize, part_path, process_share
 from specjax.metrics import job_summary
 from specjax.models import hub
 from specjax.progress import progress_bar
@@ -67,9 +70,16 @@ def id_list(ids: Sequence, limit: int = 20) -> str:
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 def cmd_generate(args) -> int:
+    processes = process_spec_of(args)
+    if processes.is_multi and not args.out:
+        raise InputError("several processes need --out (each writes its own part of it)")
     rows = generate_rows(args)
     tree = draft_shape(args)
     schedule = load_tuned(args)
+    initialize(processes)
+    if processes.is_multi:
+        rows = process_share(rows, processes)
+        args.out = str(part_path(args.out, processes))
     if args.out:
         check_output_path(args.out, "--out")
     todo = rows_to_generate(rows, args)
@@ -130,6 +140,7 @@ def add_parser(sub) -> None:
                      help="skip ids already in --out (a torn or corrupt line is regenerated)")
     add_sampling_args(gen)
     add_draft_args(gen)
+    add_process_args(gen)
     gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune --out` (the batch "
                      "size picks the draft shape; its drafter is used when --draft is not given; "
                      "default: none)")

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from specjax import __version__
-from specjax.cli import bench, export, generate, profile, train, tune
+from specjax.cli import bench, export, generate, merge, profile, train, tune
 from specjax.cli.options import HelpFormatter
 from specjax.compile_cache import use_compile_cache
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
-SUBCOMMANDS = (generate, bench, profile, tune, train, export)
+SUBCOMMANDS = (generate, bench, profile, tune, train, export, merge)
 
 
 def fail(message: str) -> int:

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from specjax.distributed import ProcessSpec, process_spec
 from specjax.drafters.forced import is_forced
 from specjax.drafters.registry import check_spec, make_drafter
 from specjax.errors import InputError
@@ -162,6 +163,28 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = False
             tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
         raise InputError(f"{option} {path}: cannot write there ({e.strerror})") from None
+
+
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    """--coordinator, --num-processes, --process-id, --coordinator-timeout: one job over several
+    processes (`specjax.distributed`)."""
+    group = p.add_argument_group("several processes (jax.distributed)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="run as one of several processes: process 0 serves HOST:PORT, every "
+                            "process names it ('auto': JAX's cluster detection, e.g. SLURM or a "
+                            "TPU pod slice; default: $JAX_COORDINATOR_ADDRESS, else one process)")
+    group.add_argument("--num-processes", type=int_at_least(1), metavar="N",
+                       help="processes in the job (default: $JAX_NUM_PROCESSES)")
+    group.add_argument("--process-id", type=int_at_least(0), metavar="I",
+                       help="this process, 0..N-1 (default: $JAX_PROCESS_ID)")
+    group.add_argument("--coordinator-timeout", type=int_at_least(1), default=120, metavar="S",
+                       help="seconds to wait for the coordinator and the other processes")
+
+
+def process_spec_of(args) -> ProcessSpec:
+    """The checked ProcessSpec of add_process_args' options (and the environment)."""
+    return process_spec(args.coordinator, args.num_processes, args.process_id,
+                        args.coordinator_timeout)
 
 
 #: the chain length of --draft without --num-draft / --tree

@@ -278,3 +278,47 @@ def test_decode_loop_gathers_no_whole_weight_or_cache(worker):
             assert counts["all-reduce"] >= 2  # o_proj and down_proj partial sums at least
         if name.endswith(" dp=8"):
             assert counts["all-reduce"] == 1  # only "is any row still running"
+
+
+# ---- the CLI flag ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "tune"])
+def test_cli_mesh_flag_is_checked_at_parse_time(command, capsys):
+    """--mesh is parsed and checked by argparse (exit 2, one line naming it), before any load."""
+    from specjax.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--mesh", "dp=2,tp=4"])
+    assert exit_info.value.code == 2
+    assert ("argument --mesh: mesh 'dp=2,tp=4' needs dp*tp = 8 devices, only 1 available"
+            in capsys.readouterr().err)
+
+
+def test_cli_generate_threads_the_mesh(monkeypatch, capsys):
+    """`generate --mesh auto` loads with the mesh's shardings and passes the mesh to the API."""
+    from types import SimpleNamespace
+
+    import specjax.api
+    import specjax.models.hub
+    from specjax.api import Generation
+    from specjax.cli import main
+
+    seen = {}
+
+    def load(name, dtype, shardings=None):
+        seen["shardings"] = shardings
+        return SimpleNamespace(cfg=tiny_config(), params=None, tokenizer=None)
+
+    def iter_generate(model, prompts, **options):
+        seen["mesh"] = options["mesh"]
+        yield 0, [Generation(prompt=prompts[0], completion="ok", token_ids=[5],
+                             num_new_tokens=1, stop_reason="length", time_s=0.0)]
+
+    monkeypatch.setattr(specjax.models.hub, "load_model", load)
+    monkeypatch.setattr(specjax.api, "iter_generate", iter_generate)
+    assert main(["generate", "--prompt", "hi", "--mesh", "auto"]) == 0
+    assert seen["mesh"].axis_names == ("dp", "tp") and seen["mesh"].devices.shape == (1, 1)
+    shardings = seen["shardings"](tiny_config())
+    assert shardings["params"]["lm_head"]["kernel"].spec == P(None, "tp")
+    assert capsys.readouterr().out.strip() == "ok"

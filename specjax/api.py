@@ -358,7 +358,7 @@ def batch_inputs(target: TargetModel | ModelConfig, prompts: Sequence[Sequence[i
         row_arrays = tuple(jnp.asarray(a) for a in row_arrays)
     else:
         row_arrays = tuple(jax.device_put(a, rows_sharding(mesh)) for a in row_arrays)
-    cache = empty_cache_on(mesh, lambda: as_target(target).init_cache(rows, shape.width))
+    cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
     return (*row_arrays[:3], cache, row_arrays[3])
 
 
@@ -439,10 +439,11 @@ def drafter_dtype(dtype: str, target) -> str:
     return resolve_dtype(dtype)
 
 
-def drafter_config(drafter) -> ModelConfig | None:
-    """The Llama config of a drafter that runs its own Llama (a draft model, layerskip), to
-    check a mesh against; None for the others (their params are placed by the fallback rule)."""
-    cfg = getattr(drafter, "cfg", None)
+def llama_config(model) -> ModelConfig | None:
+    """The Llama config of a target (a ModelConfig, a `Llama`) or of a drafter that runs its own
+    Llama (a draft model, layerskip), to check a mesh against; None for the others (their
+    params are placed by the rules' fallback)."""
+    cfg = model if isinstance(model, ModelConfig) else getattr(model, "cfg", None)
     return cfg if isinstance(cfg, ModelConfig) else None
 
 
@@ -560,7 +561,7 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
     margin = draft_margin(batch_tree(choice, schedule, batch_size))
     validate_prompts(prompts, target_model.vocab_size, generation.max_new_tokens,
                      max_len or target_model.max_position_embeddings, labels, margin)
-    params = shard_params(params, mesh, target if isinstance(target, ModelConfig) else None)
+    params = shard_params(params, mesh, llama_config(target))
     drafter, drafter_params = build_drafter(choice, target, params, model, dtype)
     return _run_job(
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
@@ -575,7 +576,7 @@ def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, 
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
     prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
     drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
-    drafter_params = shard_params(drafter_params, mesh, drafter_config(drafter))
+    drafter_params = shard_params(drafter_params, mesh, llama_config(drafter))
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(

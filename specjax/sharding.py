@@ -4,8 +4,9 @@
     params = shard_params(params, mesh, cfg)           # the Llama weights by LLAMA_RULES
 
 Two mesh axes:
-- `dp` (data parallel): the rows of a batch. The token buffer, lengths, keys and every row-major
-  leaf of the decode state are split by rows; the KV cache by its row axis (axis 1).
+- `dp` (data parallel): the rows of a batch. The programs' row inputs (prompt tokens, lengths,
+  max_new, per-row keys) are split by rows, the KV cache by its row axis (axis 1); the decode
+  state the programs carry follows them (GSPMD propagates the layout).
 - `tp` (tensor parallel): inside the model. Attention heads (q/k/v output features, o_proj input
   features) and the MLP hidden (gate/up outputs, down inputs) are split, so each device holds
   1/tp of every layer and of the KV cache's heads; the embedding and the LM head are split over
@@ -168,13 +169,6 @@ def check_model_divides(cfg: ModelConfig, mesh: Mesh) -> None:
                              f"{cfg.name!r}: choose a tp that divides it")
 
 
-def check_rows_divide(rows: int, mesh: Mesh) -> None:
-    """InputError when dp does not divide a batch's rows."""
-    dp = axis_size(mesh, "dp")
-    if rows % dp:
-        raise InputError(f"mesh dp={dp} does not divide the batch's {rows} rows")
-
-
 # ---------------------------------------------------------------------------------------------
 # Rules -> PartitionSpecs
 # ---------------------------------------------------------------------------------------------
@@ -293,22 +287,15 @@ def rows_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P("dp"))
 
 
-def row_specs(tree, rows: int):
-    """Rows over dp for every leaf whose leading axis is the batch (`rows` long), replicated
-    otherwise, and the KV cache by `cache_specs` (its rows are axis 1): a DecodeState's,
-    SpecMetrics' or a drafter state's specs."""
-    def spec_of(leaf):
-        if isinstance(leaf, KVCache):
-            return cache_specs()
-        shape = getattr(leaf, "shape", ())
-        return P("dp") if shape and shape[0] == rows else P()
-
-    return jax.tree.map(spec_of, tree, is_leaf=lambda x: isinstance(x, KVCache))
+@functools.lru_cache(maxsize=32)
+def _empty_cache_program(target, rows: int, capacity: int, mesh: Mesh):
+    """A jitted `target.init_cache(rows, capacity)` whose output is born in its shards."""
+    return jax.jit(lambda: target.init_cache(rows, capacity), out_shardings=cache_shardings(mesh))
 
 
-def empty_cache_on(mesh: Mesh | None, make_cache: Callable[[], KVCache]) -> KVCache:
-    """`make_cache()` created straight into its shards on `mesh` (never whole on one device);
-    on one device as it is."""
+def empty_cache_on(mesh: Mesh | None, target, rows: int, capacity: int) -> KVCache:
+    """`target.init_cache(rows, capacity)` (a `specjax.target.TargetModel`'s empty cache),
+    created straight into its shards on `mesh` (never whole on one device); None: as it is."""
     if mesh is None:
-        return make_cache()
-    return jax.jit(make_cache, out_shardings=cache_shardings(mesh))()
+        return target.init_cache(rows, capacity)
+    return _empty_cache_program(target, rows, capacity, mesh)()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -148,13 +150,32 @@ def _get(tree, path: tuple[str, ...]):
     return tree
 
 
-def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
+#: what the loaders take as `shardings`: the model's config -> the params' Sharding tree
+#: (`specjax.sharding.loader_shardings(mesh)`), asked once the config is read, before any tensor
+ShardingsFor = Callable[[ModelConfig], Any]
+
+
+def placed_leaf(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """A host leaf on the device(s): whole on the default device without a sharding, else each
+    device gets only its own slice (`make_array_from_callback`: the whole leaf never sits on
+    one device)."""
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def assemble_params(cfg: ModelConfig, source: TensorSource,
+                    shardings: ShardingsFor | None = None) -> dict:
     """The `{"params": ...}` tree of `LlamaModel(cfg)` from HF-named tensors, in `cfg.dtype`.
 
     Linear kernels become `[L, in, out]`, norms `[L, D]`; the LM head is read only when
     `cfg.tie_word_embeddings` is False. Raises CheckpointError on a missing tensor or a shape
     mismatch, or a tensor holding NaN / Inf.
+    shardings: None (every leaf whole on the default device), or a function of `cfg` giving the
+    params' Sharding tree: each leaf is then read on the host (one leaf at a time: layers
+    stacked `[L, ...]`) and sent to each device as its slice only.
     """
+    placement = None if shardings is None else shardings(cfg)["params"]
     specs = param_specs(cfg)
     used = {source.native_name(n) for spec in specs for n in _names(spec, cfg.num_layers)}
     unused = sorted(n for n in source.available - used if not source.ignorable(n))
@@ -167,7 +188,8 @@ def assemble_params(cfg: ModelConfig, source: TensorSource) -> dict:
     dtype = numpy_dtype(cfg.dtype)
     params: dict = {}
     for spec in specs:
-        _set(params, spec.path, jnp.asarray(_leaf(source, spec, cfg.num_layers, dtype)))
+        sharding = None if placement is None else _get(placement, spec.path)
+        _set(params, spec.path, placed_leaf(_leaf(source, spec, cfg.num_layers, dtype), sharding))
     return {"params": params}
 
 

@@ -20,7 +20,13 @@ import re
 
 import numpy as np
 
-from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
+from specjax.models.checkpoint import (
+    CheckpointError,
+    ShardingsFor,
+    TensorSource,
+    assemble_params,
+    float_config,
+)
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_reader import GGUFFile, read_gguf
 from specjax.models.llama import rope_inv_freq
@@ -207,14 +213,18 @@ def config_from_gguf(file: GGUFFile, dtype: str = "float32") -> ModelConfig:
     )
 
 
-def params_from_gguf(file: GGUFFile, cfg: ModelConfig) -> dict:
-    """The params tree (see `assemble_params`) from an opened GGUF and its config."""
+def params_from_gguf(file: GGUFFile, cfg: ModelConfig,
+                     shardings: ShardingsFor | None = None) -> dict:
+    """The params tree (see `assemble_params`, and its `shardings`) from an opened GGUF and its
+    config."""
     permuted = ARCHITECTURES[file.get("general.architecture")]
-    return assemble_params(cfg, gguf_source(file, cfg, permuted))
+    return assemble_params(cfg, gguf_source(file, cfg, permuted), shardings)
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) of a GGUF checkpoint; raises CheckpointError naming the file."""
+def load_gguf(path: str | os.PathLike, dtype: str = "float32",
+              shardings: ShardingsFor | None = None) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a GGUF checkpoint; raises CheckpointError naming the file.
+    shardings: see `assemble_params` (None: one device)."""
     file = read_gguf(path)
     cfg = config_from_gguf(file, dtype)
-    return cfg, params_from_gguf(file, cfg)
+    return cfg, params_from_gguf(file, cfg, shardings)

@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params, float_config
+from specjax.models.checkpoint import (
+    CheckpointError,
+    ShardingsFor,
+    TensorSource,
+    assemble_params,
+    float_config,
+)
 from specjax.models.config import ModelConfig, RopeScaling
 
 # architecture -> (attention_bias on q/k/v, qk_norm)
@@ -176,10 +182,12 @@ def hf_source(directory: Path, tied: bool = False) -> TensorSource:
     )
 
 
-def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) of a Hugging Face folder; raises CheckpointError naming the file."""
+def load_hf(directory: str | os.PathLike, dtype: str = "float32",
+            shardings: ShardingsFor | None = None) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a Hugging Face folder; raises CheckpointError naming the file.
+    shardings: see `assemble_params` (None: one device)."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(root, "not a directory")
     cfg = config_from_hf(read_config(root), root / "config.json", dtype)
-    return cfg, assemble_params(cfg, hf_source(root, cfg.tie_word_embeddings))
+    return cfg, assemble_params(cfg, hf_source(root, cfg.tie_word_embeddings), shardings)

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from specjax.models.checkpoint import CheckpointError
+from specjax.models.checkpoint import CheckpointError, ShardingsFor
 from specjax.models.config import ModelConfig, resolve_dtype
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf
 from specjax.models.gguf_reader import read_gguf
@@ -296,22 +296,25 @@ def _apply_chat_defaults(tokenizer: Tokenizer, chat: ChatDefaults) -> Tokenizer:
     return tokenizer.replace(**changes)
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
+def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
+               shardings: ShardingsFor | None = None) -> LoadedModel:
     """Loads a preset name, a `.gguf` file or a Hugging Face folder with its tokenizer.
 
     `cfg.eos_token_ids` equals `tokenizer.eos_token_ids` (the preset's eos tokens when it names
     them, else the checkpoint's eos plus the known end-of-turn tokens of its vocabulary).
     dtype: of the params; "auto" = bfloat16 on GPU / TPU, float32 on CPU (`resolve_dtype`).
+    shardings: None (one device) or `specjax.sharding.loader_shardings(mesh)`: each weight is
+    loaded straight into its shards (`checkpoint.assemble_params`).
     """
     dtype = resolve_dtype(dtype)
     path, preset = resolve(name_or_path)
     if path.is_dir():
-        cfg, params = load_hf(path, dtype)
+        cfg, params = load_hf(path, dtype, shardings)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         file = read_gguf(path)
         cfg = config_from_gguf(file, dtype)
-        params = params_from_gguf(file, cfg)
+        params = params_from_gguf(file, cfg, shardings)
         tokenizer = Tokenizer.from_gguf_metadata(file.metadata, str(path))
     if preset is not None:
         tokenizer = _apply_chat_defaults(tokenizer, preset.chat)

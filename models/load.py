@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specjax.models.checkpoint import CheckpointError, TensorSource, assemble_params
+from specjax.models.checkpoint import CheckpointError, ShardingsFor, TensorSource, assemble_params
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import load_gguf, permute_qk, unpermute_qk
 from specjax.models.hf_loader import load_hf
@@ -31,11 +31,14 @@ __all__ = [
 ]
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) of a `.gguf` file or a Hugging Face folder."""
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
+                    shardings: ShardingsFor | None = None) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a `.gguf` file or a Hugging Face folder. shardings: None (one
+    device), or the config -> Sharding tree function of `assemble_params`
+    (`specjax.sharding.loader_shardings(mesh)`): each leaf goes straight into its shards."""
     path = Path(path)
     if path.is_dir():
-        return load_hf(path, dtype)
+        return load_hf(path, dtype, shardings)
     if path.is_file():
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, shardings)
     raise CheckpointError(path, "no such file or directory")

@@ -50,6 +50,14 @@ from specjax.options import (
 from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
+from specjax.sharding import (
+    as_mesh,
+    empty_cache_on,
+    loader_shardings,
+    padded_rows,
+    rows_sharding,
+    shard_params,
+)
 from specjax.target import TargetModel, as_target
 from specjax.timing import BatchTimes, build_and_run
 from specjax.tree import TreeSpec
@@ -335,6 +343,25 @@ def _pad_keys(row_keys: np.ndarray, batch_size: int) -> np.ndarray:
     return padded
 
 
+def batch_inputs(target: TargetModel | ModelConfig, prompts: Sequence[Sequence[int]],
+                 shape: BatchShape, max_new_tokens: int, row_keys: np.ndarray, mesh=None):
+    """(prompt tokens `[B, P]`, prompt lengths `[B]`, max_new `[B]`, empty cache, row keys
+    `[B, 2]`) of a batch of `shape` (B = shape.rows; rows past the prompts are padding), on the
+    default device, or split by rows over the mesh's dp (the cache also by KV heads over tp,
+    created in its shards)."""
+    rows = shape.rows
+    tokens, lengths = _pad_batch(prompts, rows, shape.prompt_width)
+    max_new = np.zeros((rows,), np.int32)
+    max_new[: len(prompts)] = max_new_tokens
+    row_arrays = (tokens, lengths, max_new, _pad_keys(row_keys, rows))
+    if mesh is None:
+        row_arrays = tuple(jnp.asarray(a) for a in row_arrays)
+    else:
+        row_arrays = tuple(jax.device_put(a, rows_sharding(mesh)) for a in row_arrays)
+    cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
+    return (*row_arrays[:3], cache, row_arrays[3])
+
+
 def run_batch(
     target: TargetModel | ModelConfig,
     params,
@@ -349,6 +376,7 @@ def run_batch(
     drafter_params=None,
     drafter_carry=(),
     batch: int = 0,
+    mesh=None,
 ) -> tuple[list[TokenResult], object]:
     """Runs one batch (len(prompts) <= batch_size; the rest are padding rows) to completion.
 
@@ -360,18 +388,19 @@ def run_batch(
     batch's (`drafter.init_carry(drafter_params)` for the first; donated). The batch runs as
     two programs, prefill then decode (`loop.ar_start_program` / `ar_finish_program` or the
     spec pair), each built before it runs, so its rows' `times` hold the three apart.
+    mesh: None (one device) or a `jax.sharding.Mesh` with axes ("dp", "tp") that params and
+    drafter_params are already placed on (`specjax.sharding.shard_params`): the batch's rows
+    (rounded up to a multiple of dp with padding rows) are split over dp; the programs are the
+    same, GSPMD partitions them.
     """
     if drafter is not None:
         drafter.check_target(target)
-    shape = batch_shape([len(p) for p in prompts], batch_size, max_new_tokens,
+    shape = batch_shape([len(p) for p in prompts], padded_rows(batch_size, mesh), max_new_tokens,
                         None if drafter is None else drafter.tree)
     width = shape.width
-    tokens, lengths = _pad_batch(prompts, batch_size, shape.prompt_width)
-    max_new = np.zeros((batch_size,), np.int32)
-    max_new[: len(prompts)] = max_new_tokens
-    args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
-            as_target(target).init_cache(batch_size, width), jnp.asarray(_pad_keys(row_keys, batch_size)),
-            sampling, criteria)
+    inputs = batch_inputs(target, prompts, shape, max_new_tokens, row_keys, mesh)
+    args = (*inputs, sampling, criteria)
+    lengths = np.asarray(inputs[1])
     if drafter is None:
         head, carry, start, finish = (target, params), (), ar_start_program, ar_finish_program
     else:
@@ -408,6 +437,14 @@ def drafter_dtype(dtype: str, target) -> str:
     if dtype == "auto" and isinstance(target, ModelConfig):
         return target.dtype
     return resolve_dtype(dtype)
+
+
+def llama_config(model) -> ModelConfig | None:
+    """The Llama config of a target (a ModelConfig, a `Llama`) or of a drafter that runs its own
+    Llama (a draft model, layerskip), to check a mesh against; None for the others (their
+    params are placed by the rules' fallback)."""
+    cfg = model if isinstance(model, ModelConfig) else getattr(model, "cfg", None)
+    return cfg if isinstance(cfg, ModelConfig) else None
 
 
 def build_drafter(choice: DraftChoice, target, params, model, dtype: str):
@@ -455,6 +492,7 @@ def iter_generate_ids(
     model=None,
     dtype: str = "auto",
     drafter=None,
+    mesh=None,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
     """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
 
@@ -485,6 +523,10 @@ def iter_generate_ids(
     model: the loaded model (with its tokenizer) when there is one, for drafter specs that need
       it; dtype: of a drafter's own weights ("auto": the target's).
     drafter: deprecated name of draft.
+    mesh: None (one device, the default), "auto" (every local device on dp), "dp=N,tp=M", a
+      `specjax.sharding.MeshSpec` or a `jax.sharding.Mesh` with axes ("dp", "tp"): params are
+      split by `specjax.sharding.LLAMA_RULES` (tp), each batch's rows over dp (rounded up to a
+      multiple of dp with padding rows); the tokens are the same as on one device.
     Every argument is checked when this is called (TypeError / ValueError / PromptError naming
     the row or argument), before anything compiles; the batches run as the result is iterated.
     """
@@ -498,15 +540,17 @@ def iter_generate_ids(
     choice = draft_choice(renamed_drafter(draft, drafter), num_draft, tree, drafter_params)
     return id_job(target, params, prompts, generation, job_key(seed, key), choice,
                   stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
-                  schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype)
+                  schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
+                  mesh=as_mesh(mesh))
 
 
 def id_job(target, params, prompts: list[list[int]], generation: GenerationConfig,
            key: np.ndarray, choice: DraftChoice, *, stop_token_seqs, batch_size: int | None,
-           max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str):
+           max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str,
+           mesh=None):
     """The batches of a job whose options are checked (`iter_generate_ids` documents them),
-    after the checks that need the target: prompt ids in its vocabulary, rows within max_len.
-    key: the job's `[2]` uint32 PRNG key."""
+    after the checks that need the target: prompt ids in its vocabulary, rows within max_len,
+    a mesh that divides the model. key: the job's `[2]` uint32 PRNG key; mesh: a Mesh or None."""
     check_sizes(batch_size, max_len)
     use_compile_cache()  # the first job of the process sets the persistent cache up
     key_ids = row_key_ids(prompt_ids, len(prompts))
@@ -517,26 +561,28 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
     margin = draft_margin(batch_tree(choice, schedule, batch_size))
     validate_prompts(prompts, target_model.vocab_size, generation.max_new_tokens,
                      max_len or target_model.max_position_embeddings, labels, margin)
+    params = shard_params(params, mesh, llama_config(target))
     drafter, drafter_params = build_drafter(choice, target, params, model, dtype)
     return _run_job(
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,
-        dtype=drafter_dtype(dtype, target), max_new_tokens=generation.max_new_tokens,
+        dtype=drafter_dtype(dtype, target), mesh=mesh, max_new_tokens=generation.max_new_tokens,
         sampling=generation.sampling(), criteria=criteria,
     )
 
 
 def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
-             drafter_params, schedule, model, dtype: str, **batch_options):
+             drafter_params, schedule, model, dtype: str, mesh=None, **batch_options):
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
     prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
     drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
+    drafter_params = shard_params(drafter_params, mesh, llama_config(drafter))
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(
             target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
             batch_size=batch_rows(batch_size, len(chunk)), drafter=drafter, drafter_params=drafter_params,
-            drafter_carry=carry, batch=index, **batch_options,
+            drafter_carry=carry, batch=index, mesh=mesh, **batch_options,
         )
         yield start, results
 
@@ -579,11 +625,11 @@ def truncate_at_stop(
     return text[:cut], token_ids[:keep], "stop"
 
 
-def loaded(model, dtype: str):
+def loaded(model, dtype: str, mesh=None):
     """A loaded model (cfg, params, tokenizer) from itself or a name / path to load
-    (`specjax.models.hub.load_model`)."""
+    (`specjax.models.hub.load_model`; on a mesh, each weight straight into its shards)."""
     if isinstance(model, (str, os.PathLike)):
-        return load_model(model, dtype=dtype)
+        return load_model(model, dtype=dtype, shardings=loader_shardings(mesh))
     if not all(hasattr(model, part) for part in ("cfg", "params", "tokenizer")):
         raise TypeError("model must be a name, a path or a loaded model (specjax.load), got "
                         f"{describe(model)}")
@@ -619,6 +665,7 @@ def iter_generate(
     labels: Sequence[str] | None = None,
     schedule=None,
     prompt_ids: Sequence[int | str] | None = None,
+    mesh=None,
 ) -> Iterator[tuple[int, list[Generation]]]:
     """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
 
@@ -647,6 +694,8 @@ def iter_generate(
       rows picks the draft shape (with draft=None, the schedule's own drafter spec is built).
     prompt_ids: a stable int or str per prompt (default: its index), which alone with the seed
       sets the row's sampling (see `iter_generate_ids`); `specjax generate` passes the row ids.
+    mesh: None (one device), "auto", "dp=N,tp=M", a MeshSpec or a Mesh (see `iter_generate_ids`);
+      a model given by name / path loads straight into its shards.
     The prompts' types and every option are checked before the model loads (TypeError /
     ValueError / PromptError naming the row or argument); the prompts' lengths once tokenized.
     """
@@ -658,7 +707,8 @@ def iter_generate(
     choice = draft_choice(draft, num_draft, tree, drafter_params)
     check_sizes(batch_size, max_len)
     row_key_ids(prompt_ids, len(rows))
-    model = loaded(model, dtype)
+    mesh = as_mesh(mesh)
+    model = loaded(model, dtype, mesh)
     tokenizer = model.tokenizer
     if generation.eos_ids is None:
         generation = dataclasses.replace(generation, eos_ids=model_eos_ids(model))
@@ -666,7 +716,7 @@ def iter_generate(
         model.cfg, model.params, [row.encode(tokenizer, chat) for row in rows], generation, job,
         choice, stop_token_seqs=tokenizer.stop_sequences(generation.stop), batch_size=batch_size,
         max_len=max_len, schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model,
-        dtype=dtype,
+        dtype=dtype, mesh=mesh,
     )
     return _generations(tokenizer, rows, batches_of_results, generation)
 

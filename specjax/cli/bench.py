@@ -6,6 +6,7 @@ import sys
 from specjax.cli.options import (
     add_dataset_args,
     add_draft_args,
+    add_mesh_arg,
     add_model_args,
     add_renamed_option,
     add_sampling_args,
@@ -13,6 +14,7 @@ from specjax.cli.options import (
     check_outputs,
     dataset_rows,
     draft_shape,
+    mesh_shardings,
     positive_int,
     run_config,
     say,
@@ -28,7 +30,8 @@ def cmd_bench(args) -> int:
     tree = draft_shape(args)
     check_outputs(args)
     rows = dataset_rows(args)
-    model = measure_profile.load_target(args.model, args.dtype)
+    model = measure_profile.load_target(args.model, args.dtype,
+                                        shardings=mesh_shardings(args)[1])
     drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype)
     report = measure_bench.run_bench(
         model, rows, drafter, params, run_config(args, model, args.batch_size),
@@ -53,6 +56,7 @@ def add_parser(sub) -> None:
     bench = add_subcommand(sub, "bench",
                            "speculative vs plain decoding per category (JSON report, plots)")
     add_model_args(bench)
+    add_mesh_arg(bench)
     add_draft_args(bench, required=True)
     add_sampling_args(bench)
     add_dataset_args(bench)

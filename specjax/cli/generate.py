@@ -10,6 +10,7 @@ from specjax import api
 from specjax.cli.options import (
     InputError,
     add_draft_args,
+    add_mesh_arg,
     add_model_args,
     add_process_args,
     add_sampling_args,
@@ -18,9 +19,10 @@ from specjax.cli.options import (
     draft_shape,
     load_tuned,
     make_draft,
+    mesh_shardings,
     process_spec_of,
 )
-from specjax.distributed import initialize, part_path, process_share
+from specjax.distributed import part_path, process_share
 from specjax.metrics import job_summary
 from specjax.models import hub
 from specjax.progress import progress_bar
@@ -76,7 +78,6 @@ def cmd_generate(args) -> int:
     rows = generate_rows(args)
     tree = draft_shape(args)
     schedule = load_tuned(args)
-    initialize(processes)
     if processes.is_multi:
         rows = process_share(rows, processes)
         args.out = str(part_path(args.out, processes))
@@ -85,7 +86,8 @@ def cmd_generate(args) -> int:
     todo = rows_to_generate(rows, args)
     if not todo:
         return 0
-    model = hub.load_model(args.model, dtype=args.dtype)
+    mesh, shardings = mesh_shardings(args)
+    model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
     drafter, drafter_params = make_draft(args, tree, model)
     out_fd = open_output(args.out) if args.out else None
     stats, spec_rows, error_ids = JobStats(), [], []
@@ -97,7 +99,7 @@ def cmd_generate(args) -> int:
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
             prompt_ids=[r["id"] for r in todo],
-            schedule=schedule,
+            schedule=schedule, mesh=mesh,
         )
         for first, gens in batches:
             records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)]
@@ -131,6 +133,7 @@ def cmd_generate(args) -> int:
 def add_parser(sub) -> None:
     gen = add_subcommand(sub, "generate", "generate completions (optionally speculative)")
     add_model_args(gen)
+    add_mesh_arg(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt text")
     source.add_argument("--prompts", help="JSONL file: {'prompt'} or {'question_id','category','turns'} rows")

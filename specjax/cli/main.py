@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from specjax import __version__
 from specjax.cli import bench, export, generate, merge, profile, train, tune
-from specjax.cli.options import HelpFormatter
+from specjax.cli.options import HelpFormatter, add_process_args, process_spec_of
 from specjax.compile_cache import use_compile_cache
+from specjax.distributed import initialize
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
 SUBCOMMANDS = (generate, bench, profile, tune, train, export, merge)
@@ -47,10 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def start_processes(argv: Sequence[str] | None) -> None:
+    """Joins the job's other processes (`specjax.distributed.initialize`) when the command line
+    or the environment names a coordinator; before anything touches a device."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_process_args(parser)
+    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    initialize(process_spec_of(known))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs a subcommand. Every expected failure (InputError, PromptError and the other
     ValueErrors of the checks, an OSError on a named file) ends as one error line and exit
     status 2; anything else is a bug and keeps its traceback."""
+    try:  # before argparse: checking --mesh counts devices, which makes the backend
+        start_processes(argv)
+    except ValueError as e:
+        return fail(str(e))
     args = build_parser().parse_args(argv)
     if getattr(args, "resume", False) and not args.out:
         return fail("--resume needs --out")

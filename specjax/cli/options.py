@@ -23,6 +23,7 @@ from specjax.measure.bench import RunConfig
 from specjax.measure.datasets import load_prompt_set, select_rows
 from specjax.progress import say
 from specjax.schedule import load_schedule
+from specjax.sharding import MeshSpec, as_mesh, loader_shardings, parse_mesh
 from specjax.tree import chain, check_num_draft, load_tree
 
 
@@ -190,6 +191,27 @@ def process_spec_of(args) -> ProcessSpec:
 #: the chain length of --draft without --num-draft / --tree
 DEFAULT_NUM_DRAFT = 4
 
+def mesh_spec(text: str) -> MeshSpec:
+    """An argparse type: a device mesh "dp=N,tp=M" / "auto" that fits the devices there are."""
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_mesh_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", type=mesh_spec, default=None,
+                   help="spread the job over this host's devices: 'auto' (every device on dp: "
+                        "rows split), 'dp=N,tp=M' (rows over N, weights and KV heads over M; "
+                        "N*M = the device count) (default: none, one device)")
+
+
+def mesh_shardings(args):
+    """(the --mesh Mesh or None, the loaders' `shardings` for it)."""
+    mesh = as_mesh(args.mesh)
+    return mesh, loader_shardings(mesh)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="target model: a preset name, a .gguf file or a Hugging Face folder")
@@ -328,7 +350,7 @@ def run_config(args, model, batch_size: int):
     return RunConfig(
         max_new_tokens=args.max_new_tokens, batch_size=batch_size, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_seqs=tuple(stops),
-        ignore_eos=args.ignore_eos or is_forced(args.draft),
+        ignore_eos=args.ignore_eos or is_forced(args.draft), mesh=args.mesh,
     )
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import sys
 from specjax.cli.options import (
     DRAFTER_HELP,
     add_dataset_args,
+    add_mesh_arg,
     add_model_args,
     add_renamed_option,
     add_sampling_args,
@@ -15,6 +16,7 @@ from specjax.cli.options import (
     dataset_rows,
     draft_length_list,
     int_list,
+    mesh_shardings,
     name_list,
     non_negative_int,
     num_draft,
@@ -38,7 +40,8 @@ def cmd_tune(args) -> int:
     check_draft_spec(args.draft)
     check_outputs(args)
     rows = dataset_rows(args)
-    model = measure_profile.load_target(args.model, args.dtype)
+    model = measure_profile.load_target(args.model, args.dtype,
+                                        shardings=mesh_shardings(args)[1])
     tc = TuneConfig(
         batch_sizes=batch_sizes, max_draft=args.max_draft,
         draft_lengths=draft_lengths, trees=name_list(args.trees),
@@ -67,6 +70,7 @@ def cmd_tune(args) -> int:
 def add_parser(sub) -> None:
     tune = add_subcommand(sub, "tune", "pick the draft length per batch size; write a schedule")
     add_model_args(tune)
+    add_mesh_arg(tune)
     add_sampling_args(tune, batch_size_help="prompts per batch of the calibration runs (the "
                       "candidates are measured at each of --batch-sizes)")
     add_dataset_args(tune)

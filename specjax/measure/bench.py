@@ -69,6 +69,7 @@ from specjax.measure.datasets import categories_of
 from specjax.measure.profile import device_info, draft_latency, target_latency
 from specjax.metrics import job_summary
 from specjax.progress import progress_bar
+from specjax.sharding import MeshSpec
 from specjax.timing import JobStats, job_stats
 
 SCHEMA = "specjax.bench"
@@ -94,6 +95,7 @@ class RunConfig:
     seed: int = 0
     ignore_eos: bool = False  # rows run to max_new_tokens (forced / shape-only runs)
     stop_token_seqs: tuple[tuple[int, ...], ...] = ()
+    mesh: MeshSpec | None = None  # None: one device; else the generate_ids mesh
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_ne
         model.cfg, model.params, ids, max_new_tokens=max_new_tokens, temperature=run.temperature,
         top_k=run.top_k, top_p=run.top_p, seed=run.seed, batch_size=run.batch_size,
         eos_ids=() if run.ignore_eos else None, stop_token_seqs=run.stop_token_seqs,
-        draft=drafter, drafter_params=drafter_params,
+        draft=drafter, drafter_params=drafter_params, mesh=run.mesh,
     )
 
 

@@ -91,10 +91,12 @@ def parse_random_spec(spec: str) -> tuple[str, int | None]:
         raise ValueError(f"{spec!r}: LAYERS must be an integer") from None
 
 
-def load_target(spec, dtype: str = "float32", seed: int = 0):
+def load_target(spec, dtype: str = "float32", seed: int = 0, shardings=None):
     """A model object with .cfg, .params, .tokenizer (None for shape-only models).
 
-    spec: an already loaded model, `random:NAME[:LAYERS]`, or anything `load_model` takes.
+    spec: an already loaded model, `random:NAME[:LAYERS]`, or anything `load_model` takes;
+    shardings: `load_model`'s (a checkpoint loads straight into its shards; random params are
+    placed when a run shards them).
     """
     if not isinstance(spec, str):
         return spec
@@ -102,7 +104,7 @@ def load_target(spec, dtype: str = "float32", seed: int = 0):
         cfg = shape_config(*parse_random_spec(spec), dtype=dtype)
         return RandomModel(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed)), source=spec)
 
-    return load_model(spec, dtype=dtype)
+    return load_model(spec, dtype=dtype, shardings=shardings)
 
 
 # ---------------------------------------------------------------------------------------------

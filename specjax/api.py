@@ -53,8 +53,10 @@ from specjax.schedule import load_schedule, scheduled
 from specjax.sharding import (
     as_mesh,
     empty_cache_on,
+    fetch,
     loader_shardings,
     padded_rows,
+    put,
     rows_sharding,
     shard_params,
 )
@@ -357,7 +359,7 @@ def batch_inputs(target: TargetModel | ModelConfig, prompts: Sequence[Sequence[i
     if mesh is None:
         row_arrays = tuple(jnp.asarray(a) for a in row_arrays)
     else:
-        row_arrays = tuple(jax.device_put(a, rows_sharding(mesh)) for a in row_arrays)
+        row_arrays = tuple(put(a, rows_sharding(mesh)) for a in row_arrays)
     cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
     return (*row_arrays[:3], cache, row_arrays[3])
 
@@ -400,7 +402,7 @@ def run_batch(
     width = shape.width
     inputs = batch_inputs(target, prompts, shape, max_new_tokens, row_keys, mesh)
     args = (*inputs, sampling, criteria)
-    lengths = np.asarray(inputs[1])
+    lengths = np.array([len(p) for p in prompts])
     if drafter is None:
         head, carry, start, finish = (target, params), (), ar_start_program, ar_finish_program
     else:
@@ -413,7 +415,7 @@ def run_batch(
     else:  # the job-level part of the drafter's state (a selection: no computation)
         state, metrics, drafter_state = finished
         drafter_carry = drafter.carry(drafter_state)
-    out_tokens, num_tokens, reasons, metrics = jax.device_get(
+    out_tokens, num_tokens, reasons, metrics = fetch(
         (state.tokens, state.num_tokens, state.stop_reason, metrics)
     )
     times = BatchTimes(batch, start_compile_s + finish_compile_s, prefill_s, decode_s)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from specjax.errors import InputError
 from specjax.prompt_io import rewrite_atomically
@@ -162,6 +164,13 @@ def current_spec() -> ProcessSpec:
     """The spec of the running processes as JAX sees them (after `initialize`)."""
     count = jax.process_count()
     return ProcessSpec(None if count == 1 else AUTO, count, jax.process_index())
+
+
+def processes_any(flags: np.ndarray) -> np.ndarray:
+    """Element-wise OR of a bool array `[N]` over the job's processes (each passes its own)."""
+    if jax.process_count() == 1:
+        return flags
+    return np.asarray(multihost_utils.process_allgather(flags.astype(np.int32))).any(axis=0)
 
 
 # ---------------------------------------------------------------------------------------------

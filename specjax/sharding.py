@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -92,9 +93,11 @@ def parse_mesh(text: str, num_devices: int | None = None) -> MeshSpec:
     """A MeshSpec from "dp=2,tp=4", "dp=8", "tp=8" or "auto" (every device on dp).
 
     num_devices: the devices there are (default: `jax.local_device_count()`); the product
-    dp * tp must equal it. InputError naming the problem otherwise.
+    dp * tp must equal it (in a job of several processes, or the devices of all processes:
+    a mesh across them). InputError naming the problem otherwise.
     """
     available = jax.local_device_count() if num_devices is None else num_devices
+    everywhere = jax.device_count() if num_devices is None and jax.process_count() > 1 else None
     text = text.strip()
     if text == "auto":
         return MeshSpec(dp=available, tp=1)
@@ -110,16 +113,23 @@ def parse_mesh(text: str, num_devices: int | None = None) -> MeshSpec:
             raise InputError(f"mesh {text!r}: {name} must be a positive integer, got {value!r}")
         sizes[name] = int(value)
     spec = MeshSpec(**sizes)
-    if spec.size != available:
+    if spec.size != available and spec.size != everywhere:
+        across = "" if everywhere is None else f" ({everywhere} across the processes)"
         raise InputError(f"mesh {text!r} needs dp*tp = {spec.size} devices, "
-                         f"{'only ' if spec.size > available else ''}{available} available")
+                         f"{'only ' if spec.size > available else ''}{available} available"
+                         + across)
     return spec
 
 
 def make_mesh(spec: MeshSpec, devices: Sequence | None = None) -> Mesh:
     """A `jax.sharding.Mesh` of shape (dp, tp) with axes ("dp", "tp") over `devices` (default:
-    the first dp * tp local devices)."""
-    devices = list(jax.local_devices() if devices is None else devices)
+    this process's first dp * tp devices; in a job of several processes, a mesh of as many
+    devices as all processes hold spans them all, process by process along dp, so tp stays
+    within a process)."""
+    if devices is None:
+        spans_processes = jax.process_count() > 1 and spec.size == jax.device_count()
+        devices = jax.devices() if spans_processes else jax.local_devices()
+    devices = list(devices)
     if len(devices) < spec.size:
         raise InputError(f"mesh {spec} needs {spec.size} devices, only {len(devices)} available")
     return Mesh(np.array(devices[: spec.size]).reshape(spec.dp, spec.tp), AXES)
@@ -137,6 +147,11 @@ def as_mesh(mesh) -> Mesh | None:
         return make_mesh(mesh)
     raise TypeError(f"mesh must be None, a 'dp=N,tp=M' string, a MeshSpec or a Mesh, got "
                     f"{type(mesh).__name__}")
+
+
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether `mesh` holds devices of several processes (one program across them)."""
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:
@@ -253,10 +268,31 @@ def loader_shardings(mesh: Mesh | None) -> Callable[[ModelConfig], Any] | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def put(value, sharding):
+    """One leaf on `sharding`: an array already there stays; `jax.device_put` when this
+    process holds every device of it; else (a mesh over several processes) each process makes
+    the shards on its own devices from its copy of the value (the same on every process)."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def place(tree, shardings):
-    """`tree`'s leaves on their shardings (`jax.device_put` per leaf: an array already there
-    stays, a host or one-device array is split, never gathered on one device first)."""
-    return jax.tree.map(jax.device_put, tree, shardings)
+    """`tree`'s leaves on their shardings (`put` per leaf: an array already there stays, a host
+    or one-device array is split, never gathered on one device first)."""
+    return jax.tree.map(put, tree, shardings)
+
+
+def fetch(tree):
+    """`tree`'s leaves as numpy on the host: `jax.device_get`, or for arrays split over several
+    processes' devices an all-gather across the processes (every process gets all of it)."""
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def shard_params(params, mesh: Mesh | None, cfg: ModelConfig | None = None,

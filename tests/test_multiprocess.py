@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,10 +35,13 @@ def job_argv(model: Path, prompts: Path, out: Path) -> list[str]:
             "--no-compile-cache"]
 
 
-def run_processes(argv: list[str], count: int, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Runs `specjax ARGV` as `count` processes of one job on localhost; their results."""
+def run_processes(argv: list[str], count: int, timeout: float = 300,
+                  devices: int = 1) -> list[subprocess.CompletedProcess]:
+    """Runs `specjax ARGV` as `count` processes of one job on localhost, each with `devices`
+    CPU devices; their results."""
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", "import sys; from specjax.cli.main import main; "
@@ -79,7 +83,7 @@ def test_two_processes_write_the_rows_of_one(job):
         assert r.returncode == 0, r.stderr[-2000:]
     parts = [part_path(out, ProcessSpec("h:1", 2, pid)) for pid in range(2)]
     assert [len(p.read_text().splitlines()) for p in parts] == [4, 3]  # rows 0,2,4,6 and 1,3,5
-    assert cli_main(["merge", "--out", str(out), "--num-processes", "2", "--prompts", str(prompts)]) == 0
+    assert cli_main(["merge", "--out", str(out), "--parts", "2", "--prompts", str(prompts)]) == 0
     assert rows_of(out) == expected
     assert len({tuple(r["token_ids"]) for r in expected}) > 1  # the rows differ: a real check
 
@@ -92,7 +96,28 @@ def test_two_processes_write_the_rows_of_one(job):
         assert r.returncode == 0, r.stderr[-2000:]
     assert "resume: 4 of 4 rows already in" in results[0].stderr
     assert "resume: 2 of 3 rows already in" in results[1].stderr
-    assert cli_main(["merge", "--out", str(out), "--num-processes", "2", "--prompts", str(prompts)]) == 0
+    assert cli_main(["merge", "--out", str(out), "--parts", "2", "--prompts", str(prompts)]) == 0
+    assert rows_of(out) == expected
+
+
+def test_one_mesh_across_two_processes_writes_the_rows_of_one(job):
+    """--mesh dp=2,tp=2 over 2 processes of 2 devices: ONE program across both (rows over the
+    processes, weights and KV heads over each one's 2 devices); each writes the rows it owns."""
+    folder, prompts, expected = job
+    out = folder / "mesh.jsonl"
+    argv = job_argv(folder / "tiny.gguf", prompts, out) + ["--mesh", "dp=2,tp=2"]
+    results = run_processes(argv, 2, devices=2)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert cli_main(["merge", "--out", str(out), "--parts", "2", "--prompts", str(prompts)]) == 0
+    assert rows_of(out) == expected
+    part = part_path(out, ProcessSpec("h:1", 2, 0))
+    part.write_bytes(b"".join(part.read_bytes().splitlines(keepends=True)[:-1]))  # lose a row
+    results = run_processes(argv + ["--resume"], 2, devices=2)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "1 prompt:" in results[0].stderr  # both ran the one missing row's batch
+    assert cli_main(["merge", "--out", str(out), "--parts", "2", "--prompts", str(prompts)]) == 0
     assert rows_of(out) == expected
 
 
@@ -119,7 +144,7 @@ def test_unreachable_coordinator_is_a_one_line_error(job, capsys):
 def test_bad_process_specs(kwargs, message, monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(InputError, match=re.escape(message)):
         process_spec(**kwargs)
 
 

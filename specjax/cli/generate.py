@@ -6,6 +6,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+import numpy as np
+
 from specjax import api
 from specjax.cli.options import (
     InputError,
@@ -22,7 +24,7 @@ from specjax.cli.options import (
     mesh_shardings,
     process_spec_of,
 )
-from specjax.distributed import part_path, process_share
+from specjax.distributed import part_path, process_share, processes_any
 from specjax.metrics import job_summary
 from specjax.models import hub
 from specjax.progress import progress_bar
@@ -37,6 +39,7 @@ from specjax.prompt_io import (
     scan_output,
     trim_torn_tail,
 )
+from specjax.sharding import spans_processes
 from specjax.timing import JobStats, job_stats
 
 
@@ -71,6 +74,14 @@ def id_list(ids: Sequence, limit: int = 20) -> str:
     shown = ", ".join(map(repr, ids[:limit]))
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
+def rows_wanted_anywhere(rows: list[dict], todo: list[dict]) -> list[dict]:
+    """The rows (in `rows`' order) that this process or another still has to generate: every
+    process of a job on one mesh must run the same batches."""
+    todo_ids = {r["id"] for r in todo}
+    wanted = np.array([r["id"] in todo_ids for r in rows])
+    return [r for r, w in zip(rows, processes_any(wanted)) if w]
+
+
 def cmd_generate(args) -> int:
     processes = process_spec_of(args)
     if processes.is_multi and not args.out:
@@ -78,15 +89,20 @@ def cmd_generate(args) -> int:
     rows = generate_rows(args)
     tree = draft_shape(args)
     schedule = load_tuned(args)
+    mesh, shardings = mesh_shardings(args)
+    one_program = spans_processes(mesh)  # else each process runs its share on its own devices
+    owned = rows
     if processes.is_multi:
-        rows = process_share(rows, processes)
+        owned = process_share(rows, processes)
         args.out = str(part_path(args.out, processes))
     if args.out:
         check_output_path(args.out, "--out")
-    todo = rows_to_generate(rows, args)
+    todo = rows_to_generate(owned, args)
+    if one_program:  # every process runs every batch: the rows any process still needs
+        todo = rows_wanted_anywhere(rows, todo)
     if not todo:
         return 0
-    mesh, shardings = mesh_shardings(args)
+    owned_ids = {r["id"] for r in owned}
     model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
     drafter, drafter_params = make_draft(args, tree, model)
     out_fd = open_output(args.out) if args.out else None
@@ -102,13 +118,14 @@ def cmd_generate(args) -> int:
             schedule=schedule, mesh=mesh,
         )
         for first, gens in batches:
-            records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)]
+            records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)
+                       if row["id"] in owned_ids]
             if out_fd is None:
                 for gen in gens:
                     print(gen.completion)
             else:
                 append_rows(out_fd, records, args.out)
-            stats += job_stats(gens)
+            stats += job_stats(gens)  # the whole batch's, on a mesh across processes
             spec_rows += [gen.spec for gen in gens if gen.spec is not None]
             error_ids += [r["id"] for r in records if r["stop_reason"] == "error"]
             bar.update(len(gens))

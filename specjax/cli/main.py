@@ -15,6 +15,8 @@ from specjax.distributed import initialize
 
 #: the subcommand modules, each with add_parser(subparsers), in the order `--help` lists them
 SUBCOMMANDS = (generate, bench, profile, tune, train, export, merge)
+#: the subcommands one job of several processes runs (`specjax.distributed`)
+PROCESS_COMMANDS = ("generate",)
 
 
 def fail(message: str) -> int:
@@ -51,9 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 def start_processes(argv: Sequence[str] | None) -> None:
     """Joins the job's other processes (`specjax.distributed.initialize`) when the command line
     or the environment names a coordinator; before anything touches a device."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in PROCESS_COMMANDS:
+        return
     parser = argparse.ArgumentParser(add_help=False)
     add_process_args(parser)
-    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    known, _ = parser.parse_known_args(argv)
     initialize(process_spec_of(known))
 
 

@@ -19,6 +19,7 @@ from specjax.cli.options import (
     add_subcommand,
     check_output_path,
     draft_shape,
+    int_at_least,
     load_tuned,
     make_draft,
     mesh_shardings,
@@ -82,7 +83,29 @@ def rows_wanted_anywhere(rows: list[dict], todo: list[dict]) -> list[dict]:
     return [r for r, w in zip(rows, processes_any(wanted)) if w]
 
 
+def cmd_generate_on_ray(args) -> int:
+    """--ray N: the job on a pool of N Ray Data actors (`specjax.ray`), rows in the prompt
+    file's order."""
+    if args.prompts is None or args.out is None or args.resume:
+        raise InputError("--ray runs a --prompts file into a new --out (no --resume)")
+    if args.mesh is not None or args.tuned or args.tree:
+        raise InputError("--ray: --mesh, --tuned and --tree are not supported there yet")
+    check_output_path(args.out, "--out")
+    import specjax.ray  # the optional ray extra, only this option needs it
+
+    count = specjax.ray.run_job(
+        args.prompts, args.out, actors=args.ray, block_rows=args.batch_size, model=args.model,
+        dtype=args.dtype, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+        chat=not args.no_chat, batch_size=args.batch_size, draft=args.draft,
+        num_draft=args.num_draft)
+    print(f"{count} rows from {args.ray} Ray actors -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args) -> int:
+    if args.ray:
+        return cmd_generate_on_ray(args)
     processes = process_spec_of(args)
     if processes.is_multi and not args.out:
         raise InputError("several processes need --out (each writes its own part of it)")
@@ -161,6 +184,10 @@ def add_parser(sub) -> None:
     add_sampling_args(gen)
     add_draft_args(gen)
     add_process_args(gen)
+    gen.add_argument("--ray", type=int_at_least(1), default=None, metavar="ACTORS",
+                     help="run the --prompts job on Ray Data: ACTORS actors, each loading the "
+                          "model once (a local Ray instance unless one is running; needs the "
+                          "'ray' extra) (default: this process)")
     gen.add_argument("--tuned", help="draft schedule YAML from `specjax tune --out` (the batch "
                      "size picks the draft shape; its drafter is used when --draft is not given; "
                      "default: none)")

@@ -318,6 +318,11 @@ def cache_shardings(mesh: Mesh) -> KVCache:
     return named(mesh, cache_specs())
 
 
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy on every device of `mesh`."""
+    return NamedSharding(mesh, P())
+
+
 def rows_sharding(mesh: Mesh) -> NamedSharding:
     """A row-major array (`[B, ...]`: tokens, lengths, keys) split by rows over dp."""
     return NamedSharding(mesh, P("dp"))

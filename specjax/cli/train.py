@@ -16,11 +16,13 @@ from pathlib import Path
 
 from specjax.cli.options import (
     InputError,
+    add_mesh_arg,
     add_model_args,
     add_renamed_option,
     add_subcommand,
     finite_float_above,
     int_at_least,
+    mesh_shardings,
 )
 from specjax.drafters.learned.kind import HeadOption
 from specjax.drafters.learned.registry import KINDS, get_kind, make_head_config, option_flags
@@ -75,6 +77,7 @@ def add_parser(sub) -> None:
                    help="sampling temperature of the data generation; 0 is greedy")
     p.add_argument("--no-chat", action="store_true",
                    help="encode prompts as plain text, without the model's chat template")
+    add_mesh_arg(p)
     add_head_options(p)
     p.set_defaults(func=cmd_train_drafter)
 
@@ -138,18 +141,19 @@ def cmd_train_drafter(args) -> int:
     rows = [r for path in args.prompts for r in read_prompts(path)][: args.num_prompts]
     if not rows:
         raise InputError("no prompts")
-    target = hub.load_model(args.model, dtype=args.dtype)
+    mesh, shardings = mesh_shardings(args)
+    target = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
     check_against_target(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]
     data = prepare_data(target, prompts, out, seq_len=args.seq_len, max_new_tokens=args.max_new_tokens,
                         temperature=args.gen_temperature, seed=args.seed,
-                        batch_size=args.gen_batch_size)
+                        batch_size=args.gen_batch_size, mesh=mesh)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
                      warmup_steps=args.warmup, seed=args.seed, save_every=args.save_every,
                      keep=args.keep)
     _state, log = train_drafter(target, args.kind, data, out, tc, head_options=head_options(args),
-                               resume=args.resume)
+                               resume=args.resume, mesh=mesh)
     if log:
         last = log[-1]
         print(f"{args.kind}: step {last['step']}, loss {last['loss']:.4f}, "

@@ -101,18 +101,19 @@ class Sequences:
 def self_distill(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  seq_len: int, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
                  eos_ids: Sequence[int] | None = None,
-                 on_batch: Callable[[int], None] | None = None) -> Sequences:
+                 on_batch: Callable[[int], None] | None = None, mesh=None) -> Sequences:
     """Continues each prompt (token ids) with the target itself -> Sequences of prompt + response.
 
     Prompts longer than seq_len - 1 keep their last seq_len // 2 tokens. on_batch(n) is called
-    as each batch of n prompts finishes (a progress bar's update).
+    as each batch of n prompts finishes (a progress bar's update). mesh: generate on this
+    `jax.sharding.Mesh` (`specjax.sharding`; None: one device).
     """
     keep = max(1, seq_len // 2)
     prompts = [list(p) if len(p) < seq_len else list(p)[-keep:] for p in prompts]
     results = []
     for _, batch in iter_generate_ids(
         cfg, params, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-        batch_size=batch_size, eos_ids=eos_ids,
+        batch_size=batch_size, eos_ids=eos_ids, mesh=mesh,
     ):
         results += batch
         if on_batch is not None:

@@ -46,6 +46,7 @@ from specjax.drafters.learned.registry import (
 )
 from specjax.jsonfile import write_text_atomic
 from specjax.progress import progress_bar
+from specjax.sharding import put, replicated, rows_sharding, shard_params
 from specjax.train import data as training_data
 from specjax.train.data import (
     Sequences,
@@ -209,10 +210,25 @@ def keep_metrics_until(path: Path, step: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def batch_on(mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A training batch on the default device, or on `mesh`: rows split over dp when dp divides
+    them, else replicated."""
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    rows = next(iter(batch.values())).shape[0]
+    sharding = rows_sharding(mesh) if rows % mesh.shape["dp"] == 0 else replicated(mesh)
+    return {k: put(v, sharding) for k, v in batch.items()}
+
+
 def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: str | Path, *,
           consts: dict | None = None, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> tuple[TrainState, list[dict]]:
+          progress: bool = True, mesh=None) -> tuple[TrainState, list[dict]]:
     """Trains a head for `tc.steps` steps; checkpoints into out_dir; returns (state, log rows).
+
+    mesh: a `jax.sharding.Mesh` (axes dp, tp) that target_params are placed on
+    (`specjax.sharding`): the head's state is placed by the same rules (small leaves
+    replicated), each batch's rows are split over dp when dp divides them; GSPMD partitions the
+    one train step (the gradients' sum over dp included). None: one device.
 
     resume: continue from the latest checkpoint in out_dir (a fresh start when there is none).
     stop_after: stop (as if killed) once this many steps are done -- for tests.
@@ -220,7 +236,7 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mngr = checkpoint_manager(out_dir, tc)
-    state = init_train_state(head_cfg, tc, consts, target_params)
+    state = shard_params(init_train_state(head_cfg, tc, consts, target_params), mesh)
     if resume and mngr.latest_step() is not None:
         state = restore_state(mngr, state)
     elif mngr.latest_step() is not None:
@@ -237,7 +253,7 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
                        desc=f"train {head_cfg.kind}", unit="step", enabled=progress)
     with open(out_dir / "metrics.jsonl", "a") as metrics_file:
         for step in bar:
-            batch = {k: jnp.asarray(v) for k, v in get_batch(data, tc.batch_size, tc.seed, step).items()}
+            batch = batch_on(mesh, get_batch(data, tc.batch_size, tc.seed, step))
             state, metrics = train_step(head_cfg, tc, state, target_params, batch,
                                         step_key(tc.seed, step))
             tokens_done += int(np.sum(batch["lengths"]))
@@ -302,7 +318,7 @@ def reuse_data(folder: Path, request: dict) -> Sequences:
 
 def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: int,
                  max_new_tokens: int, temperature: float, seed: int, batch_size: int,
-                 progress: bool = True) -> Sequences:
+                 progress: bool = True, mesh=None) -> Sequences:
     """OUT/data if it exists (a resumed run reuses its data; it must have been made with the
     same prompts and options), else the target's continuations of `prompts` (token ids),
     generated, saved and checked in OUT/.data.partial, then renamed to OUT/data: a failed or
@@ -325,7 +341,8 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
                           enabled=progress) as bar:
             data = training_data.self_distill(
                 target.cfg, target.params, prompts, max_new_tokens=max_new_tokens, seq_len=seq_len,
-                temperature=temperature, seed=seed, batch_size=batch_size, on_batch=bar.update)
+                temperature=temperature, seed=seed, batch_size=batch_size, on_batch=bar.update,
+                mesh=mesh)
         dataclasses.replace(data, meta={**data.meta, **request}).save(staging)
         data = Sequences.load(staging)
         check_distilled(data, target.cfg.vocab_size, folder)
@@ -338,7 +355,7 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
 
 def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: TrainConfig, *,
                   head_options: dict | None = None, resume: bool = False, progress: bool = True,
-                  stop_after: int | None = None):
+                  stop_after: int | None = None, mesh=None):
     """Builds the head of `kind` for the loaded target (cfg, params) and trains it on `data`.
 
     On resume the head config comes from OUT/drafter.json (head_options are ignored).
@@ -356,4 +373,4 @@ def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: T
     from_data = kind_of(head_cfg).consts_from_data
     consts = from_data(head_cfg, response_tokens(data)) if from_data else None
     return train(head_cfg, target.params, data, tc, out_dir, consts=consts, resume=resume,
-                 progress=progress, stop_after=stop_after)
+                 progress=progress, stop_after=stop_after, mesh=mesh)

@@ -47,14 +47,19 @@ from specjax.options import (
     is_integer,
     job_key,
 )
+from specjax.refill import PromptQueue, RefillPolicy, refill_program
 from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
 from specjax.target import TargetModel, as_target
-from specjax.timing import BatchTimes, build_and_run
+from specjax.timing import BatchTimes, SlotStats, build_and_run
 from specjax.tree import TreeSpec
 
 MIN_BUCKET = 16
+#: a refilling job's chunk: prompts one program call serves, in batches of its slots
+CHUNK_BATCHES = 8
+#: how refilling jobs refill their slots (see `specjax.refill.RefillPolicy`)
+REFILL_POLICY = RefillPolicy(rows=1, min_free=1)
 
 
 class PromptError(ValueError):
@@ -64,6 +69,12 @@ class PromptError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Prompt checks: all run before any model load or compile, and name the row or argument
 # ---------------------------------------------------------------------------------------------
+
+
+def check_refill(refill) -> None:
+    """refill is True or False (TypeError otherwise)."""
+    if not isinstance(refill, (bool, np.bool_)):
+        raise TypeError(f"refill must be True or False, got {describe(refill)}")
 
 
 def check_sizes(batch_size: int | None, max_len: int | None) -> None:
@@ -402,6 +413,64 @@ def run_batch(
     return results, drafter_carry
 
 
+def chunk_capacity(batch_size: int, num_prompts: int) -> int:
+    """Queue entries of a refilling job's chunks (static, one program for every chunk): the
+    bucket of the job's prompts, at most CHUNK_BATCHES batches of `batch_size` slots."""
+    return min(CHUNK_BATCHES * batch_size, batch_bucket(num_prompts))
+
+
+def run_chunk(
+    target: TargetModel | ModelConfig,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    row_keys: np.ndarray,
+    batch_size: int,
+    capacity: int,
+    drafter=None,
+    drafter_params=None,
+    drafter_carry=(),
+    batch: int = 0,
+    policy: RefillPolicy = REFILL_POLICY,
+) -> tuple[list[TokenResult], object]:
+    """Runs a chunk of prompts (len(prompts) <= capacity) through `batch_size` slots that are
+    refilled as rows end: ONE program call (`refill.refill_program`), built before it runs.
+
+    Same arguments and results as `run_batch`, plus capacity (the queue's static size,
+    `chunk_capacity`) and the refill policy; the rows' `times` hold the chunk's compile
+    seconds, its whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its
+    `SlotStats`.
+    """
+    if drafter is not None:
+        drafter.check_target(target)
+    shape = batch_shape([len(p) for p in prompts], batch_size, max_new_tokens,
+                        None if drafter is None else drafter.tree)
+    queue = PromptQueue.build(prompts, max_new_tokens, row_keys, capacity, shape.prompt_width)
+    cache = as_target(target).init_cache(batch_size, shape.width)
+    (outputs, counters, drafter_carry), compile_s, run_s = build_and_run(
+        refill_program, target, params, drafter, drafter_params, queue, cache, sampling, criteria,
+        drafter_carry, width=shape.width, policy=policy)
+    outputs, counters = jax.device_get((outputs, counters))
+    slots = SlotStats(batch_size, *(int(x) for x in (counters.decode_steps, counters.busy_slot_steps,
+                                                     counters.refills, counters.prefilled)))
+    times = BatchTimes(batch, compile_s, 0.0, run_s, slots)
+    spec = row_summaries(outputs.metrics, len(prompts)) if outputs.metrics is not None else None
+    results = [
+        TokenResult(
+            token_ids=outputs.tokens[i, len(ids) : outputs.num_tokens[i]].tolist(),
+            stop_reason=STOP_REASONS[int(outputs.stop_reason[i])],
+            time_s=times.run_s,
+            spec=spec[i] if spec else None,
+            times=times,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    return results, drafter_carry
+
+
 def drafter_dtype(dtype: str, target) -> str:
     """The dtype a drafter's own weights load in: `dtype`, where "auto" follows a built-in
     target's dtype (else `resolve_dtype("auto")`)."""
@@ -455,6 +524,7 @@ def iter_generate_ids(
     model=None,
     dtype: str = "auto",
     drafter=None,
+    refill: bool = True,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
     """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
 
@@ -485,6 +555,11 @@ def iter_generate_ids(
     model: the loaded model (with its tokenizer) when there is one, for drafter specs that need
       it; dtype: of a drafter's own weights ("auto": the target's).
     drafter: deprecated name of draft.
+    refill: continuous batching (default True): the prompts go to the device in chunks of up
+      to CHUNK_BATCHES * batch_size, and the batch's rows are slots refilled with the next
+      prompt as rows end, inside one program per chunk (`specjax.refill`); one (start, results)
+      per chunk. False: static batches of batch_size run to their slowest row, one
+      (start, results) per batch. The tokens are the same either way.
     Every argument is checked when this is called (TypeError / ValueError / PromptError naming
     the row or argument), before anything compiles; the batches run as the result is iterated.
     """
@@ -498,16 +573,19 @@ def iter_generate_ids(
     choice = draft_choice(renamed_drafter(draft, drafter), num_draft, tree, drafter_params)
     return id_job(target, params, prompts, generation, job_key(seed, key), choice,
                   stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
-                  schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype)
+                  schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
+                  refill=refill)
 
 
 def id_job(target, params, prompts: list[list[int]], generation: GenerationConfig,
            key: np.ndarray, choice: DraftChoice, *, stop_token_seqs, batch_size: int | None,
-           max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str):
+           max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str,
+           refill: bool = True):
     """The batches of a job whose options are checked (`iter_generate_ids` documents them),
     after the checks that need the target: prompt ids in its vocabulary, rows within max_len.
     key: the job's `[2]` uint32 PRNG key."""
     check_sizes(batch_size, max_len)
+    check_refill(refill)
     use_compile_cache()  # the first job of the process sets the persistent cache up
     key_ids = row_key_ids(prompt_ids, len(prompts))
     target_model = as_target(target)
@@ -522,21 +600,42 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,
         dtype=drafter_dtype(dtype, target), max_new_tokens=generation.max_new_tokens,
-        sampling=generation.sampling(), criteria=criteria,
+        sampling=generation.sampling(), criteria=criteria, refill=refill,
     )
 
 
 def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
-             drafter_params, schedule, model, dtype: str, **batch_options):
+             drafter_params, schedule, model, dtype: str, refill: bool = False, **batch_options):
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
-    prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
+    prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria; refill:
+    chunks of prompts through refilled slots (`_run_refill_job`) instead of static batches."""
     drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
+    if refill:
+        yield from _run_refill_job(target, params, prompts, row_keys, batch_size=batch_size,
+                                   drafter=drafter, drafter_params=drafter_params, **batch_options)
+        return
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(
             target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
             batch_size=batch_rows(batch_size, len(chunk)), drafter=drafter, drafter_params=drafter_params,
             drafter_carry=carry, batch=index, **batch_options,
+        )
+        yield start, results
+
+
+def _run_refill_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
+                    drafter_params, **batch_options):
+    """The chunks of a checked job (each `chunk_capacity` prompts in file order, through
+    `batch_size` refilled slots), as `iter_generate_ids` yields them; the drafter's carry goes
+    from chunk to chunk."""
+    capacity = chunk_capacity(batch_size, len(prompts))
+    carry = () if drafter is None else drafter.init_carry(drafter_params)
+    for index, (start, chunk) in enumerate(batches(prompts, capacity)):
+        results, carry = run_chunk(
+            target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
+            batch_size=batch_size, capacity=capacity, drafter=drafter,
+            drafter_params=drafter_params, drafter_carry=carry, batch=index, **batch_options,
         )
         yield start, results
 
@@ -619,6 +718,7 @@ def iter_generate(
     labels: Sequence[str] | None = None,
     schedule=None,
     prompt_ids: Sequence[int | str] | None = None,
+    refill: bool = True,
 ) -> Iterator[tuple[int, list[Generation]]]:
     """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
 
@@ -647,6 +747,8 @@ def iter_generate(
       rows picks the draft shape (with draft=None, the schedule's own drafter spec is built).
     prompt_ids: a stable int or str per prompt (default: its index), which alone with the seed
       sets the row's sampling (see `iter_generate_ids`); `specjax generate` passes the row ids.
+    refill: continuous batching in chunks (default True; see `iter_generate_ids`); False:
+      static batches.
     The prompts' types and every option are checked before the model loads (TypeError /
     ValueError / PromptError naming the row or argument); the prompts' lengths once tokenized.
     """
@@ -657,6 +759,7 @@ def iter_generate(
     job = job_key(seed, key)
     choice = draft_choice(draft, num_draft, tree, drafter_params)
     check_sizes(batch_size, max_len)
+    check_refill(refill)
     row_key_ids(prompt_ids, len(rows))
     model = loaded(model, dtype)
     tokenizer = model.tokenizer
@@ -666,7 +769,7 @@ def iter_generate(
         model.cfg, model.params, [row.encode(tokenizer, chat) for row in rows], generation, job,
         choice, stop_token_seqs=tokenizer.stop_sequences(generation.stop), batch_size=batch_size,
         max_len=max_len, schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model,
-        dtype=dtype,
+        dtype=dtype, refill=refill,
     )
     return _generations(tokenizer, rows, batches_of_results, generation)
 

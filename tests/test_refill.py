@@ -1,0 +1,155 @@
+"""Continuous batching inside the one program (`specjax.refill`): exactness and reproducibility.
+
+- greedy: every prompt of a ragged queue (prompt lengths 1..11, max_new 1..14, rows ending at
+  once, a queue shorter than B, Q not a multiple of B) decoded through the refilling loop
+  equals the prompt decoded alone (plain greedy, a static batch of one), for plain decoding and
+  every drafter kind (ngram, suffix, a draft model, layerskip, EAGLE-3, MTP, Medusa, DFlash,
+  DSpark with random heads), chains and trees, under both refill policies.
+- sampling: the same seed gives the same rows at batch sizes 1, 4 and 8 (AR and ngram), and the
+  refilling loop stays lossless (the chi-square test of tests/test_lossless_e2e.py, run with
+  slots refilled many times).
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import numpy as np
+import pytest
+from helpers import chi_square, tiny_config
+
+from specjax.api import generate_ids
+from specjax.drafters.learned.drafting import drafter_params
+from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
+from specjax.drafters.registry import make_drafter
+from specjax.loop import STOP_REASONS, StopCriteria
+from specjax.models.llama import init_params
+from specjax.refill import PromptQueue, RefillPolicy, refill_program
+from specjax.rng import job_row_keys, seed_key
+from specjax.sampling import SamplingParams
+from specjax.target import as_target
+from specjax.tree import chain, k_ary
+
+VOCAB = 16
+CFG = tiny_config(vocab_size=VOCAB)
+PROMPT_WIDTH, MAX_NEW_BUCKET = 16, 16
+SLOTS = 4
+CHAIN, TREE = chain(3), k_ary((2, 2, 1), max_nodes=7)
+POLICIES = {"one": RefillPolicy(rows=1, min_free=1), "batch": RefillPolicy(rows=SLOTS, min_free=2)}
+
+
+@functools.cache
+def params():
+    return init_params(CFG, jax.random.PRNGKey(0))
+
+
+def ragged_job(count: int = 11, seed: int = 0):
+    """(prompts, max_new): lengths 1..11, max_new 1..14 with several 1s and several 14s."""
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, rng.integers(1, 12))] for _ in range(count)]
+    max_new = [int(m) for m in rng.choice([1, 2, 5, 9, 14, 14], count)]
+    max_new[0] = 1
+    return prompts, max_new
+
+
+def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLOTS, eos=(),
+              sampling=None, seed=0, capacity=16):
+    """[(new tokens, stop reason)] of each prompt through `refill_program`, and its counters."""
+    drafter, dparams = draft if draft is not None else (None, None)
+    margin = 0 if drafter is None else drafter.tree.num_nodes + 1
+    width = PROMPT_WIDTH + MAX_NEW_BUCKET + margin
+    keys = job_row_keys(seed_key(seed), list(range(len(prompts))))
+    queue = PromptQueue.build(prompts, max_new, keys, capacity, PROMPT_WIDTH)
+    carry = () if drafter is None else drafter.init_carry(dparams)
+    out, counters, _ = refill_program(
+        CFG, params(), drafter, dparams, queue, as_target(CFG).init_cache(slots, width),
+        sampling or SamplingParams.make(0.0), StopCriteria.make(eos, ()), carry,
+        width=width, policy=policy)
+    out, counters = jax.device_get((out, counters))
+    rows = [(out.tokens[i, len(p): out.num_tokens[i]].tolist(), STOP_REASONS[int(out.stop_reason[i])])
+            for i, p in enumerate(prompts)]
+    return rows, counters
+
+
+@functools.cache
+def alone(prompt: tuple[int, ...], max_new: int, eos: tuple[int, ...] = ()):
+    """(new tokens, stop reason) of plain greedy decoding of the prompt alone (a batch of 1)."""
+    result = generate_ids(CFG, params(), [list(prompt)], max_new_tokens=max_new, eos_ids=list(eos),
+                          batch_size=1, refill=False)[0]
+    return result.token_ids, result.stop_reason
+
+
+def expected(prompts, max_new, eos=()):
+    return [alone(tuple(p), m, tuple(eos)) for p, m in zip(prompts, max_new)]
+
+
+# ---- drafters ----------------------------------------------------------------------------------
+
+HEAD_OPTIONS = {
+    "eagle3": {"ttt_steps": 3}, "mtp": {"ttt_steps": 3}, "medusa": {"num_heads": 3},
+    "dflash": {"block_size": 4, "num_anchors": 8}, "dspark": {"block_size": 4, "num_anchors": 8},
+}
+
+
+def loader(name: str, dtype: str):
+    """`model:noisy`: the target with perturbed weights (partial acceptance)."""
+    leaves, treedef = jax.tree.flatten(params())
+    keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
+    noisy = jax.tree.unflatten(treedef, [x + 0.005 * jax.random.normal(k, x.shape, x.dtype)
+                                         for x, k in zip(leaves, keys)])
+    return types.SimpleNamespace(cfg=CFG, params=noisy, tokenizer=None)
+
+
+@functools.cache
+def drafter(spec: str, tree_name: str):
+    """(drafter, params) of a registry spec or a learned kind with a random head."""
+    tree = {"chain": CHAIN, "tree": TREE}[tree_name]
+    if spec in HEAD_OPTIONS:
+        head = make_head_config(spec, CFG, **HEAD_OPTIONS[spec])
+        variables = init_head(head, jax.random.PRNGKey(1))
+        return make_learned_drafter(head, tree), drafter_params(variables, params(), head)
+    return make_drafter(spec, tree=tree, target_cfg=CFG, target_params=params(), loader=loader)
+
+
+# ---- greedy exactness ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_plain_greedy_through_refill_equals_each_prompt_alone(policy):
+    prompts, max_new = ragged_job()
+    rows, counters = run_queue(prompts, max_new, policy=POLICIES[policy])
+    assert rows == expected(prompts, max_new)
+    assert counters.prefilled == len(prompts)
+    assert 0 < counters.busy_slot_steps <= counters.decode_steps * SLOTS
+
+
+def test_rows_ending_at_once_on_eos_and_short_queues():
+    prompts, max_new = ragged_job()
+    eos = (alone(tuple(prompts[2]), 14)[0][1],)  # a token some rows emit early
+    rows, _ = run_queue(prompts, max_new, eos=eos)
+    assert rows == expected(prompts, max_new, eos)
+    assert any(reason == "eos" for _, reason in rows)
+    few = prompts[:3]  # fewer prompts than slots
+    rows, counters = run_queue(few, max_new[:3], slots=SLOTS)
+    assert rows == expected(few, max_new[:3]) and counters.prefilled == 3
+
+
+@pytest.mark.parametrize("spec,tree_name", [
+    ("ngram", "chain"), ("ngram", "tree"), ("suffix", "chain"), ("suffix", "tree"),
+    ("model:noisy", "chain"), ("model:noisy", "tree"), ("layerskip:1", "chain"),
+    ("layerskip:1", "tree"), ("eagle3", "chain"), ("eagle3", "tree"), ("mtp", "chain"),
+    ("medusa", "tree"), ("dflash", "chain"), ("dspark", "tree"),
+])
+def test_speculative_greedy_through_refill_equals_each_prompt_alone(spec, tree_name):
+    prompts, max_new = ragged_job()
+    rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name))
+    assert rows == expected(prompts, max_new)
+    assert counters.refills >= len(prompts)  # one prompt per pass: no prompt skipped
+
+
+def test_speculative_greedy_with_batched_refills():
+    prompts, max_new = ragged_job(13, seed=1)
+    for spec in ("suffix", "model:noisy"):
+        rows, _ = run_queue(prompts, max_new, drafter(spec, "tree"), policy=POLICIES["batch"])
+        assert rows == expected(prompts, max_new), spec

@@ -4,17 +4,18 @@ A chunk of a job's prompts goes to the device as a `PromptQueue` (`[Q, P]` right
 tokens, lengths, max_new, per-prompt PRNG keys, and how many of the Q entries are real). The
 loop keeps B slots busy: each iteration first runs the refill passes the `RefillPolicy` asks
 for, then one decoding step (`loop.ar_step`, or `loop.spec_step` with a drafter) over all B
-slots. A refill pass
+slots. A first refill pass fills all B slots at once (a batch of B rows, as a static batch
+starts); the later passes
 
-1. harvests every slot whose row ended (EOS, stop sequence, max_new_tokens, error): its token
+1. harvest every slot whose row ended (EOS, stop sequence, max_new_tokens, error): its token
    row, length, stop reason and speculative counters go to the chunk's outputs (`[Q, ...]`,
    at the prompt's index in the queue) and the slot is free;
-2. takes the next `policy.rows` queued prompts (fewer when fewer slots are free or fewer
-   prompts are left) and prefills them as a batch of `policy.rows` rows, exactly as a static
+2. take the next `policy.rows` queued prompts (fewer when fewer slots are free or fewer
+   prompts are left) and prefill them as a batch of `policy.rows` rows, exactly as a static
    batch starts (`loop.init_state` + `loop.prefill`: positions from 0, a fresh cache row,
    each row's first token drawn with its own key), the drafter's `refill` starting its rows
    (`drafters.base.Drafter.refill`);
-3. writes those rows over the free slots (`gather.put_rows`: the slot's token row, counters,
+3. write those rows over the free slots (`gather.put_rows`: the slot's token row, counters,
    key, cache row and drafter rows; unused pass rows are dropped).
 
 A row whose first token ends it (max_new 1, EOS) is harvested by the next pass. When the queue
@@ -212,11 +213,12 @@ class Decoder:
     policy: RefillPolicy
     width: int
 
-    def refill_pass(self, params, drafter_params, queue: PromptQueue, carry: RefillCarry,
-                    sampling: SamplingParams, criteria: StopCriteria) -> RefillCarry:
-        """Harvests the ended slots and starts up to `policy.rows` queued prompts in free ones."""
+    def refill_pass(self, rows: int, params, drafter_params, queue: PromptQueue,
+                    carry: RefillCarry, sampling: SamplingParams, criteria: StopCriteria) -> RefillCarry:
+        """Harvests the ended slots and starts up to `rows` (static) queued prompts in free ones,
+        prefilled as one batch of `rows` rows."""
         carry = harvest(carry)
-        rows, drafter = self.policy.rows, self.drafter
+        drafter = self.drafter
         left = queue.size - carry.next_prompt
         slots = pick_slots(carry.state.done, left, rows)
         use = slots < carry.state.done.shape[0]
@@ -277,10 +279,15 @@ class Decoder:
             counters=SlotCounters(zero, zero, zero, zero),
         )
 
+        def refill(rows, c):
+            return self.refill_pass(rows, params, drafter_params, queue, c, sampling, criteria)
+
         def fill(c):
-            return jax.lax.while_loop(
-                lambda c: wants_refill(c, queue, policy),
-                lambda c: self.refill_pass(params, drafter_params, queue, c, sampling, criteria), c)
+            return jax.lax.while_loop(lambda c: wants_refill(c, queue, policy),
+                                      lambda c: refill(policy.rows, c), c)
+
+        if policy.rows < batch:  # every slot is free: the first prompts start as one batch
+            carry = refill(batch, carry)
 
         def body(c):
             return self.decode_step(params, drafter_params, fill(c), sampling, criteria)

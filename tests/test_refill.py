@@ -24,6 +24,7 @@ from specjax.drafters.learned.drafting import drafter_params
 from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
 from specjax.drafters.registry import make_drafter
 from specjax.loop import STOP_REASONS, StopCriteria
+from specjax.metrics import row_summaries
 from specjax.models.llama import init_params
 from specjax.refill import PromptQueue, RefillPolicy, refill_program
 from specjax.rng import job_row_keys, seed_key
@@ -55,7 +56,8 @@ def ragged_job(count: int = 11, seed: int = 0):
 
 def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLOTS, eos=(),
               sampling=None, seed=0, capacity=16):
-    """[(new tokens, stop reason)] of each prompt through `refill_program`, and its counters."""
+    """[(new tokens, stop reason)] of each prompt through `refill_program`, and its counters
+    (with `.spec`: each prompt's speculative summary, when speculating)."""
     drafter, dparams = draft if draft is not None else (None, None)
     margin = 0 if drafter is None else drafter.tree.num_nodes + 1
     width = PROMPT_WIDTH + MAX_NEW_BUCKET + margin
@@ -69,7 +71,8 @@ def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLO
     out, counters = jax.device_get((out, counters))
     rows = [(out.tokens[i, len(p): out.num_tokens[i]].tolist(), STOP_REASONS[int(out.stop_reason[i])])
             for i, p in enumerate(prompts)]
-    return rows, counters
+    spec = None if out.metrics is None else row_summaries(out.metrics, len(prompts))
+    return rows, types.SimpleNamespace(**vars(counters), spec=spec)
 
 
 @functools.cache
@@ -93,7 +96,10 @@ HEAD_OPTIONS = {
 
 
 def loader(name: str, dtype: str):
-    """`model:noisy`: the target with perturbed weights (partial acceptance)."""
+    """`model:noisy`: the target with perturbed weights (partial acceptance); `model:self`:
+    the target itself (every draft accepted)."""
+    if name == "self":
+        return types.SimpleNamespace(cfg=CFG, params=params(), tokenizer=None)
     leaves, treedef = jax.tree.flatten(params())
     keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
     noisy = jax.tree.unflatten(treedef, [x + 0.005 * jax.random.normal(k, x.shape, x.dtype)
@@ -153,3 +159,41 @@ def test_speculative_greedy_with_batched_refills():
     for spec in ("suffix", "model:noisy"):
         rows, _ = run_queue(prompts, max_new, drafter(spec, "tree"), policy=POLICIES["batch"])
         assert rows == expected(prompts, max_new), spec
+
+
+@pytest.mark.parametrize("spec", ["model:self", "layerskip:2"])
+def test_a_drafter_equal_to_the_target_accepts_everything_after_refills(spec):
+    """The refilled rows' drafter state is started afresh (a stale draft cache would reject)
+    and each prompt's counters are its own (harvested with the row, zeroed on refill)."""
+    prompts, max_new = ragged_job()
+    rows, counters = run_queue(prompts, max_new, drafter(spec, "tree"))
+    assert rows == expected(prompts, max_new)
+    per_step = TREE.max_depth + 1
+    for (tokens, _), summary in zip(rows, counters.spec):
+        assert summary["steps"] == -(-(len(tokens) - 1) // per_step), summary  # prefill: 1 token
+        if summary["steps"]:
+            assert summary["acceptance_rate"] >= 0.99, summary
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+SAMPLING = {"temperature": 0.8, "top_k": 8, "top_p": 0.95}
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_sampled_rows_are_the_same_at_every_batch_size(spec):
+    """A prompt samples with its own key (seed, index in the job) folded with the tokens it has
+    emitted: the same rows with static batches of one and with 1, 4 or 8 refilled slots."""
+    prompts, _ = ragged_job(13, seed=2)
+    draft = (None, None) if spec is None else drafter(spec, "chain")
+
+    def rows(batch_size, refill):
+        results = generate_ids(CFG, params(), prompts, max_new_tokens=12, eos_ids=[3], seed=7,
+                               batch_size=batch_size, refill=refill, draft=draft[0],
+                               drafter_params=draft[1], **SAMPLING)
+        return [(r.token_ids, r.stop_reason) for r in results]
+
+    reference = rows(1, False)
+    assert len({tuple(t) for t, _ in reference}) > 1  # the rows do differ
+    for batch_size in (1, 4, 8):
+        assert rows(batch_size, True) == reference, batch_size

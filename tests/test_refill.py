@@ -17,9 +17,9 @@ import types
 import jax
 import numpy as np
 import pytest
-from helpers import chi_square, tiny_config
+from helpers import tiny_config
 
-from specjax.api import generate_ids
+from specjax.api import generate_ids, iter_generate_ids
 from specjax.drafters.learned.drafting import drafter_params
 from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
 from specjax.drafters.registry import make_drafter
@@ -30,6 +30,7 @@ from specjax.refill import PromptQueue, RefillPolicy, refill_program
 from specjax.rng import job_row_keys, seed_key
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
+from specjax.timing import JobStats, job_stats
 from specjax.tree import chain, k_ary
 
 VOCAB = 16
@@ -197,3 +198,40 @@ def test_sampled_rows_are_the_same_at_every_batch_size(spec):
     assert len({tuple(t) for t, _ in reference}) > 1  # the rows do differ
     for batch_size in (1, 4, 8):
         assert rows(batch_size, True) == reference, batch_size
+
+
+# ---- the API -----------------------------------------------------------------------------------
+
+
+def test_the_api_runs_chunks_through_refilled_slots():
+    """generate_ids refills by default: one program per chunk (compiled once for the job's
+    shapes), every row the same as static batches, the chunk's slot counters in its rows' times."""
+    prompts, _ = ragged_job(20, seed=3)
+    static = generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3], batch_size=2,
+                          refill=False)
+    before = refill_program._cache_size()
+    chunks = list(iter_generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3],
+                                    batch_size=2))
+    assert [start for start, _ in chunks] == [0, 16]  # chunks of up to 8 x 2 slots
+    assert refill_program._cache_size() == before + 1  # the last, shorter chunk: same program
+    refilled = [r for _, rows in chunks for r in rows]
+    assert [(r.token_ids, r.stop_reason) for r in refilled] == [
+        (r.token_ids, r.stop_reason) for r in static]
+    slots = refilled[0].times.slots
+    assert slots.slots == 2 and slots.prefilled == 16 and slots.refills == 15  # 2 at once, then 1s
+    assert 0 < slots.busy_slot_steps <= slots.slot_steps
+    stats = job_stats(refilled)
+    assert stats.chunks == 2 and stats.new_tokens == sum(len(r.token_ids) for r in static)
+    assert "slots" in stats.line() and "refills/chunk" in stats.line()
+
+
+def test_refill_must_be_a_bool():
+    with pytest.raises(TypeError, match="refill must be True or False"):
+        generate_ids(CFG, params(), [[1, 2]], max_new_tokens=2, refill="yes")
+
+
+def test_the_refilling_job_line():
+    stats = JobStats(new_tokens=90, compile_s=3.0, decode_s=2.0, slot_steps=80, busy_slot_steps=72,
+                     refills=6, decode_steps=10, chunks=2)
+    assert stats.line() == ("compiled in 3.0 s; 90 tokens in 2.00 s (45.0 tokens/s; slots 90% "
+                            "busy, 3.0 refills/chunk, prefill 38% of steps)")

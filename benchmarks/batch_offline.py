@@ -12,10 +12,11 @@ so a batch's rows end at very different steps.
 Modes per (workload, drafter, B): `static` (the API's static batches: `loop.generate_program` /
 `spec_generate_program` per batch of B in file order, rows padded to the batch's buckets) and
 one `refill:RxK` per refill policy (`refill.refill_program` over chunks of up to 8·B prompts, R
-rows per refill pass, refill when K slots are free). Every program is compiled in a warm-up
-pass; then the modes take turns in a rotating order --repeats times; medians are reported.
+rows per refill pass, refill when K slots are free). Every program is built (compiled, or
+found compiled) before it runs and only its run is timed (compile excluded); the modes take
+turns in a rotating order --repeats times; medians are reported.
 Slot utilisation = busy slot-steps / (decoding steps · B) (static: each row is busy from its
-first decoding step to its last). Tokens/s counts emitted tokens over the wall time.
+first decoding step to its last). Tokens/s counts emitted tokens over the programs' run time.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -38,6 +38,7 @@ from specjax.refill import PromptQueue, RefillPolicy, refill_program
 from specjax.rng import job_row_keys, seed_key
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
+from specjax.timing import build_and_run
 from specjax.tree import chain
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -56,11 +57,12 @@ def workloads(tokenizer, args) -> dict[str, tuple[list[list[int]], list[int], tu
 
 
 def static_run(model, drafter, dparams, prompts, max_new, eos, batch_size):
-    """(new tokens, busy slot-steps, slot-steps, spec rows) of static batches of batch_size."""
+    """(run seconds, new tokens, busy slot-steps, slot-steps, spec rows) of static batches of
+    batch_size (run seconds: the programs' runs, each built before it runs)."""
     cfg, params = model.cfg, model.params
     keys = job_row_keys(seed_key(0), list(range(len(prompts))))
     sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(eos, ())
-    new = busy = slot_steps = 0
+    seconds = new = busy = slot_steps = 0
     spec_rows = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
@@ -72,10 +74,13 @@ def static_run(model, drafter, dparams, prompts, max_new, eos, batch_size):
         args = (queue.tokens, queue.lengths, queue.max_new, as_target(cfg).init_cache(rows, width),
                 queue.keys, sampling, criteria)
         if drafter is None:
-            state, metrics = generate_program(cfg, params, *args, width=width), None
+            (state, _, run_s), metrics = build_and_run(generate_program, cfg, params, *args,
+                                                       width=width), None
         else:
-            state, metrics, _ = spec_generate_program(cfg, params, drafter, dparams, *args,
-                                                      drafter.init_carry(dparams), width=width)
+            (state, metrics, _), _, run_s = build_and_run(
+                spec_generate_program, cfg, params, drafter, dparams, *args,
+                drafter.init_carry(dparams), width=width)
+        seconds += run_s
         state, metrics = jax.device_get((state, metrics))
         emitted = (state.num_tokens - state.prompt_lens)[: len(chunk)]
         new += int(emitted.sum())
@@ -84,16 +89,17 @@ def static_run(model, drafter, dparams, prompts, max_new, eos, batch_size):
         slot_steps += int(state.step) * rows
         if metrics is not None:
             spec_rows += row_summaries(metrics, len(chunk))
-    return new, busy, slot_steps, spec_rows
+    return seconds, new, busy, slot_steps, spec_rows
 
 
 def refill_run(model, drafter, dparams, prompts, max_new, eos, batch_size, policy):
-    """(new tokens, busy slot-steps, slot-steps, spec rows, refills) through refilled slots."""
+    """(run seconds, new tokens, busy slot-steps, slot-steps, spec rows, refills) through
+    refilled slots (run seconds: the programs' runs, each built before it runs)."""
     cfg, params = model.cfg, model.params
     keys = job_row_keys(seed_key(0), list(range(len(prompts))))
     sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(eos, ())
     capacity = chunk_capacity(batch_size, len(prompts))
-    new = busy = slot_steps = refills = 0
+    seconds = new = busy = slot_steps = refills = 0
     spec_rows = []
     carry = () if drafter is None else drafter.init_carry(dparams)
     for start in range(0, len(prompts), capacity):
@@ -102,9 +108,11 @@ def refill_run(model, drafter, dparams, prompts, max_new, eos, batch_size, polic
         width_p = bucket(max(len(p) for p in chunk))
         width = width_p + bucket(max(limit)) + draft_margin(None if drafter is None else drafter.tree)
         queue = PromptQueue.build(chunk, limit, keys[start: start + len(chunk)], capacity, width_p)
-        out, counters, carry = refill_program(
-            cfg, params, drafter, dparams, queue, as_target(cfg).init_cache(batch_size, width),
-            sampling, criteria, carry, width=width, policy=policy)
+        (out, counters, carry), _, run_s = build_and_run(
+            refill_program, cfg, params, drafter, dparams, queue,
+            as_target(cfg).init_cache(batch_size, width), sampling, criteria, carry, width=width,
+            policy=policy)
+        seconds += run_s
         out, counters = jax.device_get((out, counters))
         new += int(np.sum(out.num_tokens[: len(chunk)] - np.asarray([len(p) for p in chunk])))
         busy += int(counters.busy_slot_steps)
@@ -112,7 +120,7 @@ def refill_run(model, drafter, dparams, prompts, max_new, eos, batch_size, polic
         refills += int(counters.refills)
         if out.metrics is not None:
             spec_rows += row_summaries(out.metrics, len(chunk))
-    return new, busy, slot_steps, spec_rows, refills
+    return seconds, new, busy, slot_steps, spec_rows, refills
 
 
 def parse_policy(text: str) -> RefillPolicy:
@@ -150,23 +158,20 @@ def main(argv=None) -> int:
                 modes = {"static": functools.partial(static_run, *job)}
                 for text in args.policies:
                     modes[f"refill:{text}"] = functools.partial(refill_run, *job, parse_policy(text))
-                times = {mode: [] for mode in modes}
-                outcome = {mode: run() for mode, run in modes.items()}  # warm-up: compiles
-                order = list(modes)
+                times, outcome, order = {mode: [] for mode in modes}, {}, list(modes)
                 for repeat in range(args.repeats):
                     for mode in order[repeat % len(order):] + order[: repeat % len(order)]:
-                        start = time.perf_counter()
                         outcome[mode] = modes[mode]()
-                        times[mode].append(time.perf_counter() - start)
+                        times[mode].append(outcome[mode][0])
                 for mode in modes:
-                    new, busy, slot_steps, spec_rows = outcome[mode][:4]
+                    new, busy, slot_steps, spec_rows = outcome[mode][1:5]
                     seconds = statistics.median(times[mode])
                     record = {
                         "workload": workload, "draft": name, "batch_size": batch_size, "mode": mode,
                         "rows": len(prompts), "new_tokens": new, "time_s": round(seconds, 3),
                         "tokens_per_s": round(new / seconds, 2),
                         "slot_utilisation": round(busy / slot_steps, 3) if slot_steps else 0.0,
-                        "refills": outcome[mode][4] if len(outcome[mode]) > 4 else None,
+                        "refills": outcome[mode][5] if len(outcome[mode]) > 5 else None,
                         "acceptance_length": round(job_summary(spec_rows)["acceptance_length"], 3)
                         if spec_rows else None,
                     }

@@ -4,8 +4,10 @@
 
 `generate` takes a loaded model (or a name / path to load), prompts as text, chat message lists
 or token ids, and returns text; `generate_ids` works on token ids with any target model
-(`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. Both
-run each batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
+(`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. By
+default both run the prompts in chunks, each ONE program whose batch rows are slots refilled
+with the next prompt as rows end (`run_chunk`, `specjax.refill`); with refill=False they run
+each static batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
 `ar_finish_program`, or the spec pair: `loop.generate_program` split in two, so the results'
 `times` hold compile, prefill and decode seconds apart), whose shapes are bucketed (2^k or
 3·2^(k-2) lengths; batches of the prompts' power-of-two bucket, at most batch_size), so calls
@@ -526,7 +528,8 @@ def iter_generate_ids(
     drafter=None,
     refill: bool = True,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
-    """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
+    """Yields (index of the chunk's first prompt, its TokenResults) as each chunk (static
+    batch, with refill=False) finishes.
 
     target: the target model: a `specjax.target.TargetModel`, or a ModelConfig for the built-in
       Llama; params: its params pytree.
@@ -720,7 +723,8 @@ def iter_generate(
     prompt_ids: Sequence[int | str] | None = None,
     refill: bool = True,
 ) -> Iterator[tuple[int, list[Generation]]]:
-    """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
+    """Yields (index of the chunk's first prompt, its Generations) as each chunk (static batch,
+    with refill=False) finishes.
 
     model: a loaded model (`specjax.load`: cfg, params, tokenizer) or a name / path to load.
     prompts: one prompt or a sequence of them; a prompt is a str, a chat (a list of

@@ -2,8 +2,14 @@
 batches (each batch runs to its slowest row), side by side in one run.
 
     python benchmarks/batch_offline.py                        # quick: 16 rows, small budgets
-    python benchmarks/batch_offline.py --rows 80 --spec-bench-max-new 256 --tail 16 512 \\
-        --batch-sizes 8 32 --repeats 3 --out benchmarks/results/batch_offline.json   # full
+    # what docs/batch_jobs.md reports (2 shared CPU cores: about 20 + 15 minutes)
+    python benchmarks/batch_offline.py --rows 48 --tail 16 256 --workloads long_tail \
+        --out benchmarks/results/batch_offline_long_tail.json
+    python benchmarks/batch_offline.py --rows 32 --spec-bench-max-new 128 --workloads spec_bench \
+        --out benchmarks/results/batch_offline_spec_bench.json
+    # the full issue-14 run (hours on a CPU)
+    python benchmarks/batch_offline.py --rows 480 --spec-bench-max-new 256 --tail 16 512 \
+        --batch-sizes 8 32 --repeats 3 --out benchmarks/results/batch_offline_full.json
 
 SmolLM2-135M (f32, greedy, CPU). Two workloads over Spec-Bench first turns (chat template):
 (a) `spec_bench`: max_new_tokens --spec-bench-max-new for every row, EOS ends rows;

@@ -7,6 +7,8 @@ batches (each batch runs to its slowest row), side by side in one run.
         --out benchmarks/results/batch_offline_long_tail.json
     python benchmarks/batch_offline.py --rows 32 --spec-bench-max-new 128 --workloads spec_bench \
         --out benchmarks/results/batch_offline_spec_bench.json
+    python benchmarks/batch_offline.py --rows 96 --tail 16 256 --workloads long_tail --drafts ar \
+        --batch-sizes 32 --out benchmarks/results/batch_offline_long_tail_b32.json
     # the full issue-14 run (hours on a CPU)
     python benchmarks/batch_offline.py --rows 480 --spec-bench-max-new 256 --tail 16 512 \
         --batch-sizes 8 32 --repeats 3 --out benchmarks/results/batch_offline_full.json

@@ -152,7 +152,8 @@ def test_speculative_greedy_through_refill_equals_each_prompt_alone(spec, tree_n
     prompts, max_new = ragged_job()
     rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name))
     assert rows == expected(prompts, max_new)
-    assert counters.refills >= len(prompts)  # one prompt per pass: no prompt skipped
+    # the first pass fills the SLOTS slots, then one prompt per pass: none skipped
+    assert counters.prefilled == len(prompts) and counters.refills == len(prompts) - SLOTS + 1
 
 
 def test_speculative_greedy_with_batched_refills():

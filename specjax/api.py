@@ -4,8 +4,10 @@
 
 `generate` takes a loaded model (or a name / path to load), prompts as text, chat message lists
 or token ids, and returns text; `generate_ids` works on token ids with any target model
-(`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. Both
-run each batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
+(`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. By
+default both run the prompts in chunks, each ONE program whose batch rows are slots refilled
+with the next prompt as rows end (`run_chunk`, `specjax.refill`); with refill=False they run
+each static batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
 `ar_finish_program`, or the spec pair: `loop.generate_program` split in two, so the results'
 `times` hold compile, prefill and decode seconds apart), whose shapes are bucketed (2^k or
 3·2^(k-2) lengths; batches of the prompts' power-of-two bucket, at most batch_size), so calls
@@ -47,6 +49,7 @@ from specjax.options import (
     is_integer,
     job_key,
 )
+from specjax.refill import PromptQueue, RefillPolicy, refill_program
 from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
@@ -57,14 +60,19 @@ from specjax.sharding import (
     loader_shardings,
     padded_rows,
     put,
+    replicated,
     rows_sharding,
     shard_params,
 )
 from specjax.target import TargetModel, as_target
-from specjax.timing import BatchTimes, build_and_run
+from specjax.timing import BatchTimes, SlotStats, build_and_run
 from specjax.tree import TreeSpec
 
 MIN_BUCKET = 16
+#: a refilling job's chunk: prompts one program call serves, in batches of its slots
+CHUNK_BATCHES = 8
+#: how refilling jobs refill their slots (see `specjax.refill.RefillPolicy`)
+REFILL_POLICY = RefillPolicy(rows=1, min_free=1)
 
 
 class PromptError(ValueError):
@@ -74,6 +82,12 @@ class PromptError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Prompt checks: all run before any model load or compile, and name the row or argument
 # ---------------------------------------------------------------------------------------------
+
+
+def check_refill(refill) -> None:
+    """refill is True or False (TypeError otherwise)."""
+    if not isinstance(refill, (bool, np.bool_)):
+        raise TypeError(f"refill must be True or False, got {describe(refill)}")
 
 
 def check_sizes(batch_size: int | None, max_len: int | None) -> None:
@@ -433,6 +447,69 @@ def run_batch(
     return results, drafter_carry
 
 
+def chunk_capacity(batch_size: int, num_prompts: int) -> int:
+    """Queue entries of a refilling job's chunks (static, one program for every chunk): the
+    bucket of the job's prompts, at most CHUNK_BATCHES batches of `batch_size` slots."""
+    return min(CHUNK_BATCHES * batch_size, batch_bucket(num_prompts))
+
+
+def run_chunk(
+    target: TargetModel | ModelConfig,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    row_keys: np.ndarray,
+    batch_size: int,
+    capacity: int,
+    drafter=None,
+    drafter_params=None,
+    drafter_carry=(),
+    batch: int = 0,
+    policy: RefillPolicy = REFILL_POLICY,
+    mesh=None,
+) -> tuple[list[TokenResult], object]:
+    """Runs a chunk of prompts (len(prompts) <= capacity) through `batch_size` slots that are
+    refilled as rows end: ONE program call (`refill.refill_program`), built before it runs.
+
+    Same arguments and results as `run_batch`, plus capacity (the queue's static size,
+    `chunk_capacity`) and the refill policy; the rows' `times` hold the chunk's compile
+    seconds, its whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its
+    `SlotStats`. mesh: as `run_batch`'s (the slots rounded up to a multiple of dp, split over
+    it with the cache; the queue replicated: every device can start any prompt).
+    """
+    if drafter is not None:
+        drafter.check_target(target)
+    slots = padded_rows(batch_size, mesh)
+    shape = batch_shape([len(p) for p in prompts], slots, max_new_tokens,
+                        None if drafter is None else drafter.tree)
+    queue = PromptQueue.build(prompts, max_new_tokens, row_keys, capacity, shape.prompt_width)
+    if mesh is not None:
+        queue = jax.tree.map(lambda x: put(x, replicated(mesh)), queue)
+    cache = empty_cache_on(mesh, as_target(target), slots, shape.width)
+    (outputs, counters, drafter_carry), compile_s, run_s = build_and_run(
+        refill_program, target, params, drafter, drafter_params, queue, cache, sampling, criteria,
+        drafter_carry, width=shape.width, policy=policy)
+    outputs, counters = fetch((outputs, counters))
+    slot_stats = SlotStats(slots, *(int(x) for x in (counters.decode_steps, counters.busy_slot_steps,
+                                                     counters.refills, counters.prefilled)))
+    times = BatchTimes(batch, compile_s, 0.0, run_s, slot_stats)
+    spec = row_summaries(outputs.metrics, len(prompts)) if outputs.metrics is not None else None
+    results = [
+        TokenResult(
+            token_ids=outputs.tokens[i, len(ids) : outputs.num_tokens[i]].tolist(),
+            stop_reason=STOP_REASONS[int(outputs.stop_reason[i])],
+            time_s=times.run_s,
+            spec=spec[i] if spec else None,
+            times=times,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    return results, drafter_carry
+
+
 def drafter_dtype(dtype: str, target) -> str:
     """The dtype a drafter's own weights load in: `dtype`, where "auto" follows a built-in
     target's dtype (else `resolve_dtype("auto")`)."""
@@ -495,8 +572,10 @@ def iter_generate_ids(
     dtype: str = "auto",
     drafter=None,
     mesh=None,
+    refill: bool = True,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
-    """Yields (index of the batch's first prompt, its TokenResults) as each batch finishes.
+    """Yields (index of the chunk's first prompt, its TokenResults) as each chunk (static
+    batch, with refill=False) finishes.
 
     target: the target model: a `specjax.target.TargetModel`, or a ModelConfig for the built-in
       Llama; params: its params pytree.
@@ -529,6 +608,11 @@ def iter_generate_ids(
       `specjax.sharding.MeshSpec` or a `jax.sharding.Mesh` with axes ("dp", "tp"): params are
       split by `specjax.sharding.LLAMA_RULES` (tp), each batch's rows over dp (rounded up to a
       multiple of dp with padding rows); the tokens are the same as on one device.
+    refill: continuous batching (default True): the prompts go to the device in chunks of up
+      to CHUNK_BATCHES * batch_size, and the batch's rows are slots refilled with the next
+      prompt as rows end, inside one program per chunk (`specjax.refill`); one (start, results)
+      per chunk. False: static batches of batch_size run to their slowest row, one
+      (start, results) per batch. The tokens are the same either way.
     Every argument is checked when this is called (TypeError / ValueError / PromptError naming
     the row or argument), before anything compiles; the batches run as the result is iterated.
     """
@@ -543,17 +627,18 @@ def iter_generate_ids(
     return id_job(target, params, prompts, generation, job_key(seed, key), choice,
                   stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
                   schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
-                  mesh=as_mesh(mesh))
+                  mesh=as_mesh(mesh), refill=refill)
 
 
 def id_job(target, params, prompts: list[list[int]], generation: GenerationConfig,
            key: np.ndarray, choice: DraftChoice, *, stop_token_seqs, batch_size: int | None,
            max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str,
-           mesh=None):
+           mesh=None, refill: bool = True):
     """The batches of a job whose options are checked (`iter_generate_ids` documents them),
     after the checks that need the target: prompt ids in its vocabulary, rows within max_len,
     a mesh that divides the model. key: the job's `[2]` uint32 PRNG key; mesh: a Mesh or None."""
     check_sizes(batch_size, max_len)
+    check_refill(refill)
     use_compile_cache()  # the first job of the process sets the persistent cache up
     key_ids = row_key_ids(prompt_ids, len(prompts))
     target_model = as_target(target)
@@ -569,22 +654,46 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,
         dtype=drafter_dtype(dtype, target), mesh=mesh, max_new_tokens=generation.max_new_tokens,
-        sampling=generation.sampling(), criteria=criteria,
+        sampling=generation.sampling(), criteria=criteria, refill=refill,
     )
 
 
 def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
-             drafter_params, schedule, model, dtype: str, mesh=None, **batch_options):
+             drafter_params, schedule, model, dtype: str, mesh=None, refill: bool = False,
+             **batch_options):
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
-    prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria."""
+    prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria; refill:
+    chunks of prompts through refilled slots (`_run_refill_job`) instead of static batches."""
     drafter, drafter_params = scheduled(drafter, drafter_params, schedule, batch_size, model, dtype)
     drafter_params = shard_params(drafter_params, mesh, llama_config(drafter))
+    if refill:
+        yield from _run_refill_job(target, params, prompts, row_keys, batch_size=batch_size,
+                                   drafter=drafter, drafter_params=drafter_params, mesh=mesh,
+                                   **batch_options)
+        return
     carry = () if drafter is None else drafter.init_carry(drafter_params)
     for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(
             target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
             batch_size=batch_rows(batch_size, len(chunk)), drafter=drafter, drafter_params=drafter_params,
             drafter_carry=carry, batch=index, mesh=mesh, **batch_options,
+        )
+        yield start, results
+
+
+def _run_refill_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
+                    drafter_params, mesh=None, **batch_options):
+    """The chunks of a checked job (each `chunk_capacity` prompts in file order, through
+    `batch_size` refilled slots), as `iter_generate_ids` yields them; the drafter's carry goes
+    from chunk to chunk."""
+    capacity = chunk_capacity(batch_size, len(prompts))
+    carry = () if drafter is None else drafter.init_carry(drafter_params)
+    for index, (start, chunk) in enumerate(batches(prompts, capacity)):
+        results, carry = run_chunk(
+            target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
+            batch_size=batch_size, capacity=capacity, drafter=drafter,
+            drafter_params=drafter_params, drafter_carry=carry, batch=index, mesh=mesh,
+            **batch_options,
         )
         yield start, results
 
@@ -668,8 +777,10 @@ def iter_generate(
     schedule=None,
     prompt_ids: Sequence[int | str] | None = None,
     mesh=None,
+    refill: bool = True,
 ) -> Iterator[tuple[int, list[Generation]]]:
-    """Yields (index of the batch's first prompt, its Generations) as each batch finishes.
+    """Yields (index of the chunk's first prompt, its Generations) as each chunk (static batch,
+    with refill=False) finishes.
 
     model: a loaded model (`specjax.load`: cfg, params, tokenizer) or a name / path to load.
     prompts: one prompt or a sequence of them; a prompt is a str, a chat (a list of
@@ -698,6 +809,8 @@ def iter_generate(
       sets the row's sampling (see `iter_generate_ids`); `specjax generate` passes the row ids.
     mesh: None (one device), "auto", "dp=N,tp=M", a MeshSpec or a Mesh (see `iter_generate_ids`);
       a model given by name / path loads straight into its shards.
+    refill: continuous batching in chunks (default True; see `iter_generate_ids`); False:
+      static batches.
     The prompts' types and every option are checked before the model loads (TypeError /
     ValueError / PromptError naming the row or argument); the prompts' lengths once tokenized.
     """
@@ -708,6 +821,7 @@ def iter_generate(
     job = job_key(seed, key)
     choice = draft_choice(draft, num_draft, tree, drafter_params)
     check_sizes(batch_size, max_len)
+    check_refill(refill)
     row_key_ids(prompt_ids, len(rows))
     mesh = as_mesh(mesh)
     model = loaded(model, dtype, mesh)
@@ -718,7 +832,7 @@ def iter_generate(
         model.cfg, model.params, [row.encode(tokenizer, chat) for row in rows], generation, job,
         choice, stop_token_seqs=tokenizer.stop_sequences(generation.stop), batch_size=batch_size,
         max_len=max_len, schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model,
-        dtype=dtype, mesh=mesh,
+        dtype=dtype, mesh=mesh, refill=refill,
     )
     return _generations(tokenizer, rows, batches_of_results, generation)
 

@@ -1,6 +1,7 @@
 """A job's batches: as many rows as their prompts' bucket (one prompt: a batch of 1), each
 shape compiled once (two programs: prefill and decode), and each batch's compile, prefill and
-decode seconds reported apart (`time_s` never includes compilation)."""
+decode seconds reported apart (`time_s` never includes compilation). These are static batches
+(`refill=False`); tests/test_refill.py covers the refilling chunks."""
 from __future__ import annotations
 
 import jax
@@ -45,9 +46,9 @@ def test_jobs_run_the_rows_they_need(tiny_model, monkeypatch):
     rows = []
     run_batch = api.run_batch
     monkeypatch.setattr(api, "run_batch", lambda *a, **k: rows.append(k["batch_size"]) or run_batch(*a, **k))
-    specjax.generate_ids(cfg, params, MIXED[:1], max_new_tokens=4, batch_size=8)
-    specjax.generate_ids(cfg, params, MIXED[:3], max_new_tokens=4)
-    specjax.generate_ids(cfg, params, MIXED, max_new_tokens=4, batch_size=4)
+    specjax.generate_ids(cfg, params, MIXED[:1], max_new_tokens=4, batch_size=8, refill=False)
+    specjax.generate_ids(cfg, params, MIXED[:3], max_new_tokens=4, refill=False)
+    specjax.generate_ids(cfg, params, MIXED, max_new_tokens=4, batch_size=4, refill=False)
     assert rows == [1, 4, 4, 4, 1]
 
 
@@ -62,7 +63,8 @@ def test_a_mixed_length_job_compiles_each_shape_once(fresh_model):
     assert len(shapes) < len(job_shapes(lengths, 2, 12)) == 5  # some batches share a shape
     programs = (ar_start_program, ar_finish_program)
     before = program_sizes(*programs)
-    job = lambda: specjax.generate_ids(cfg, params, MIXED, max_new_tokens=12, batch_size=2, eos_ids=())
+    job = lambda: specjax.generate_ids(cfg, params, MIXED, max_new_tokens=12, batch_size=2, eos_ids=(),
+                                      refill=False)
     job()
     assert program_sizes(*programs) == [n + len(shapes) for n in before]
     again = job()  # the same shapes: nothing compiles, so the compile time is the lookups'
@@ -76,7 +78,8 @@ def test_a_carried_drafter_state_does_not_compile_again(fresh_model):
     programs = (spec_start_program, spec_finish_program)
     before = program_sizes(*programs)
     specjax.generate_ids(cfg, params, [[3, 4, 5, 3, 4], [5, 6, 5, 6], [7, 8, 7], [4, 4, 4]],
-                         max_new_tokens=6, batch_size=2, eos_ids=(), draft=drafter)
+                         max_new_tokens=6, batch_size=2, eos_ids=(), draft=drafter,
+                         refill=False)
     assert program_sizes(*programs) == [n + 1 for n in before]  # two batches, one shape
 
 
@@ -84,7 +87,7 @@ def test_each_batch_reports_compile_prefill_and_decode_apart(tiny_model):
     cfg, params = tiny_model
     prompts = [[3, 4, 5, 6], [7, 8], list(range(2, 60))]
     run = lambda: specjax.generate_ids(cfg, params, prompts, max_new_tokens=9, batch_size=2,
-                                       eos_ids=(), draft="ngram")
+                                       eos_ids=(), draft="ngram", refill=False)
     first, second = run(), run()
     for results in (first, second):
         assert [r.times.batch for r in results] == [0, 0, 1]

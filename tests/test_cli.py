@@ -65,6 +65,19 @@ def test_generate_writes_rows_and_resume_skips_done_ids(tiny_dir, tmp_path):
         assert before["token_ids"] == after["token_ids"]
 
 
+def test_refilled_slots_and_static_batches_write_the_same_rows(tiny_dir, tmp_path, capsys):
+    """The default (continuous batching) and --no-refill (static batches) write the same rows;
+    the summary line tells how busy the slots were, or the prefill and decode seconds."""
+    prompts = _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    refilled, static = tmp_path / "refilled.jsonl", tmp_path / "static.jsonl"
+    assert _generate(tiny_dir, prompts, refilled) == 0
+    assert "busy" in capsys.readouterr().err
+    assert _generate(tiny_dir, prompts, static, "--no-refill") == 0
+    assert "decode" in capsys.readouterr().err
+    rows = lambda path: [(r["id"], r["token_ids"], r["stop_reason"]) for r in _read_jsonl(path)]
+    assert rows(refilled) == rows(static)
+
+
 def _read_jsonl_tolerant(path):
     out = []
     for line in path.read_text().splitlines():

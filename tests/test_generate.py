@@ -9,6 +9,7 @@ from specjax.api import PromptError, generate_ids
 from specjax.loop import ar_finish_program, ar_start_program
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward
+from specjax.refill import refill_program
 
 
 def naive_greedy(cfg, params, prompt, steps):
@@ -60,23 +61,25 @@ def test_sampling_is_seeded_and_varies(tiny_model):
     assert a[0].token_ids == b[0].token_ids != c[0].token_ids
 
 
-def test_same_bucket_does_not_recompile(tiny_model):
+@pytest.mark.parametrize("refill", [True, False], ids=["refill", "static"])
+def test_same_bucket_does_not_recompile(tiny_model, refill):
     cfg, params = tiny_model
-    sizes = lambda: [ar_start_program._cache_size(), ar_finish_program._cache_size()]
-    generate_ids(cfg, params, [[1, 2, 3], [4]], max_new_tokens=5, batch_size=2, eos_ids=[])
+    programs = (refill_program,) if refill else (ar_start_program, ar_finish_program)
+    sizes = lambda: [program._cache_size() for program in programs]
+    generate_ids(cfg, params, [[1, 2, 3], [4]], max_new_tokens=5, batch_size=2, eos_ids=[], refill=refill)
     compiled = sizes()
-    generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[])
+    generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[], refill=refill)
     assert sizes() == compiled
     # greedy or not is static (a greedy program holds no sampling code): one sampling program,
     # shared by every temperature / top-k / top-p
     generate_ids(cfg, params, [[4, 5, 6, 7, 8], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
-                 temperature=0.7, top_k=5)
+                 temperature=0.7, top_k=5, refill=refill)
     compiled = [n + 1 for n in compiled]
     assert sizes() == compiled
     generate_ids(cfg, params, [[4, 5], [9]], max_new_tokens=7, batch_size=2, eos_ids=[],
-                 temperature=1.3, top_p=0.9)
+                 temperature=1.3, top_p=0.9, refill=refill)
     assert sizes() == compiled
-    generate_ids(cfg, params, [list(range(2, 40)), [5]], max_new_tokens=5, batch_size=2, eos_ids=[])
+    generate_ids(cfg, params, [list(range(2, 40)), [5]], max_new_tokens=5, batch_size=2, eos_ids=[], refill=refill)
     assert sizes() == [n + 1 for n in compiled]
 
 

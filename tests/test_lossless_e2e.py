@@ -7,7 +7,9 @@ target's forward) by a chi-square test (cells with expected count < 5 pooled). T
 lossless setup must give p > 1e-3; the deliberately broken rule (the drafter samples from its
 q but tells acceptance q is uniform) must give p < 1e-6, so the test can fail. (Claiming a
 one-hot q for a sampled chain token would NOT be broken: "accept x with p(x), else sample p
-without x" is lossless whatever proposed x; it only accepts less.)
+without x" is lossless whatever proposed x; it only accepts less.) The generate calls run
+through the refilling loop (`specjax.refill`, the API's default); one test refills each slot
+many times.
 """
 from __future__ import annotations
 
@@ -73,14 +75,14 @@ def exact_ar_joint(cfg, params, sampling) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_triples(drafter_cls, tree) -> np.ndarray:
+def sampled_triples(drafter_cls, tree, batch_size: int = ROWS) -> np.ndarray:
     target_cfg, target_params, draft_cfg, draft_params = models()
     drafter = drafter_cls(tree=tree, cfg=draft_cfg)
     samples = []
     for seed in range(SEEDS):
         results = generate_ids(
             target_cfg, target_params, [PROMPT] * ROWS, max_new_tokens=3, temperature=TEMPERATURE,
-            top_k=TOP_K, top_p=TOP_P, seed=seed, eos_ids=[], batch_size=ROWS,
+            top_k=TOP_K, top_p=TOP_P, seed=seed, eos_ids=[], batch_size=batch_size,
             draft=drafter, drafter_params=draft_params,
         )
         samples += [r.token_ids for r in results]
@@ -96,6 +98,13 @@ def joint():
 @pytest.mark.parametrize("tree", [chain(2), k_ary((2, 2))], ids=["chain", "tree"])
 def test_speculative_sampling_matches_ar(tree):
     stat, dof, p = chi_square(sampled_triples(DraftModelDrafter, tree), joint())
+    assert p > P_PASS, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
+
+
+def test_speculative_sampling_matches_ar_through_refilled_slots():
+    """The same test with ROWS / 8 slots refilled as rows end (`specjax.refill`): 7 of 8
+    prompts start in a slot another row has left."""
+    stat, dof, p = chi_square(sampled_triples(DraftModelDrafter, chain(2), ROWS // 8), joint())
     assert p > P_PASS, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
 
 

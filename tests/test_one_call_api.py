@@ -22,6 +22,7 @@ from specjax.loop import (
 from specjax.models import config as model_config
 from specjax.models.hub import LoadedModel, load_model
 from specjax.models.llama import init_params
+from specjax.refill import refill_program
 from specjax.tree import chain, load_tree
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 7, 8, 9], [10, 11, 12]]
@@ -50,7 +51,8 @@ def test_every_form_of_draft_is_greedy_exact(tiny_model):
 
 def test_a_bad_draft_fails_before_anything_compiles(tiny_model):
     cfg, params = tiny_model
-    programs = (ar_start_program, ar_finish_program, spec_start_program, spec_finish_program)
+    programs = (ar_start_program, ar_finish_program, spec_start_program, spec_finish_program,
+                refill_program)
     compiled = [program._cache_size() for program in programs]
     for bad in ("nope", "ngram:x", 3.5, ("ngram", None)):
         with pytest.raises(ValueError) as info:

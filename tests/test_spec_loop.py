@@ -23,6 +23,7 @@ from specjax.loop import (
 from specjax.metrics import SpecMetrics
 from specjax.models.cache import init_cache
 from specjax.models.llama import init_params
+from specjax.refill import refill_program
 from specjax.sampling import SamplingParams
 from specjax.tree import chain, k_ary
 from specjax.types import Draft
@@ -56,12 +57,14 @@ def test_spec_program_runs_without_host_transfers(model):
     assert np.all(np.asarray(state.num_tokens) - np.asarray(state.prompt_lens) == 12)
 
 
-def test_spec_program_compiles_once_per_bucket(model):
+@pytest.mark.parametrize("refill", [True, False], ids=["refill", "static"])
+def test_spec_program_compiles_once_per_bucket(model, refill):
     cfg, params = model
     drafter = NgramDrafter(tree=k_ary((2, 1)))
     run = lambda prompts, n: generate_ids(cfg, params, prompts, max_new_tokens=n, eos_ids=[],
-                                          draft=drafter, batch_size=2)
-    sizes = lambda: (spec_start_program._cache_size(), spec_finish_program._cache_size())
+                                          draft=drafter, batch_size=2, refill=refill)
+    programs = (refill_program,) if refill else (spec_start_program, spec_finish_program)
+    sizes = lambda: [program._cache_size() for program in programs]
     run(PROMPTS, 9)
     size = sizes()
     run([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], 14)

@@ -138,7 +138,7 @@ def cmd_generate(args) -> int:
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
             prompt_ids=[r["id"] for r in todo],
-            schedule=schedule, mesh=mesh,
+            schedule=schedule, mesh=mesh, refill=not args.no_refill,
         )
         for first, gens in batches:
             records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)
@@ -177,10 +177,14 @@ def add_parser(sub) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt text")
     source.add_argument("--prompts", help="JSONL file: {'prompt'} or {'question_id','category','turns'} rows")
-    gen.add_argument("--out", help="output JSONL, one row per prompt, appended as each batch "
-                     "finishes (default: completions printed on stdout)")
+    gen.add_argument("--out", help="output JSONL, one row per prompt, appended as each chunk "
+                     "(or batch, with --no-refill) finishes (default: completions printed on stdout)")
     gen.add_argument("--resume", action="store_true",
                      help="skip ids already in --out (a torn or corrupt line is regenerated)")
+    gen.add_argument("--no-refill", action="store_true",
+                     help="static batches, each run to its slowest row (default: continuous "
+                     "batching: chunks of up to 8 x --batch-size prompts, a batch slot taking "
+                     "the next prompt as soon as its row ends, inside one program per chunk)")
     add_sampling_args(gen)
     add_draft_args(gen)
     add_process_args(gen)

@@ -13,6 +13,11 @@ Job-level state that outlives one batch (e.g. suffix statistics) is the drafter'
 `init_carry(params)` at the start of a job, `resume(state, carry)` right after `init`, and
 `carry(state)` of the final batch state, which the next batch of the job resumes from.
 
+A refilling loop (`specjax.refill`) starts new prompts in the slots of rows that ended:
+`refill(params, state, decode_rows, target_out_rows, slots)` returns the batch state with rows
+`slots` started afresh (default: init + resume + prefill of the new rows, written over the old
+rows leaf by leaf; the job-level carry is kept across refills).
+
 `decode` is the current `specjax.loop.DecodeState` (tokens buffer, num_tokens, done, ...;
 the root of the next step is `decode.last_token`, at position `decode.num_tokens - 1`).
 `target_out` is the target's ForwardOutput (layer_hidden holds `hidden_layers`).
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.accept import accept
+from specjax.gather import put_rows
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
@@ -68,6 +74,22 @@ class Drafter:
 
     def prefill(self, params, state: DrafterState, decode, target_out) -> DrafterState:
         return state
+
+    def refill(self, params, state: DrafterState, decode, target_out, slots: jax.Array) -> DrafterState:
+        """The batch state (B rows) with rows `slots` `[R]` started afresh on new prompts (a
+        slot >= B: new row r unused). decode: the R new rows' DecodeState after the target's
+        prefill, target_out: that prefill's output (`[R, P, ...]`).
+
+        Default: `init` + `resume` (the job's carry so far) + `prefill` of the R rows, written
+        over the batch's rows by `specjax.gather.put_rows` (every leaf with a batch axis; a
+        `KVCache` by its rows); the carry comes from the new rows' prefill, so what the
+        drafter learned from the new prompts stays. Override it when a state leaf has no
+        batch axis and is not part of the carry.
+        """
+        rows, width = decode.tokens.shape
+        fresh = self.resume(self.init(params, rows, width), self.carry(state))
+        fresh = self.prefill(params, fresh, decode, target_out)
+        return put_rows(self.resume(state, self.carry(fresh)), fresh, slots)
 
     def propose(
         self, params, state: DrafterState, decode, key: jax.Array, sampling: SamplingParams

@@ -154,12 +154,14 @@ class ModeRecord:
 
 
 def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_new_tokens: int):
-    """`generate_ids` over ids with the run's settings -> TokenResults (one per row)."""
+    """`generate_ids` over ids with the run's settings -> TokenResults (one per row), in static
+    batches (refill=False): bench times each batch's prefill and decode apart, and its
+    first-token runs are batches of the same rows."""
     return generate_ids(
         model.cfg, model.params, ids, max_new_tokens=max_new_tokens, temperature=run.temperature,
         top_k=run.top_k, top_p=run.top_p, seed=run.seed, batch_size=run.batch_size,
         eos_ids=() if run.ignore_eos else None, stop_token_seqs=run.stop_token_seqs,
-        draft=drafter, drafter_params=drafter_params, mesh=run.mesh,
+        draft=drafter, drafter_params=drafter_params, mesh=run.mesh, refill=False,
     )
 
 

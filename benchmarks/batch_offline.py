@@ -1,0 +1,201 @@
+"""Offline batch jobs: continuous batching (slots refilled inside the one program) vs static
+batches (each batch runs to its slowest row), side by side in one run.
+
+    python benchmarks/batch_offline.py                        # quick: 16 rows, small budgets
+    # what docs/batch_jobs.md reports (2 shared CPU cores: about 20 + 15 minutes)
+    python benchmarks/batch_offline.py --rows 48 --tail 16 256 --workloads long_tail \
+        --out benchmarks/results/batch_offline_long_tail.json
+    python benchmarks/batch_offline.py --rows 32 --spec-bench-max-new 128 --workloads spec_bench \
+        --out benchmarks/results/batch_offline_spec_bench.json
+    python benchmarks/batch_offline.py --rows 96 --tail 16 256 --workloads long_tail --drafts ar \
+        --batch-sizes 32 --out benchmarks/results/batch_offline_long_tail_b32.json
+    # the full issue-14 run (hours on a CPU)
+    python benchmarks/batch_offline.py --rows 480 --spec-bench-max-new 256 --tail 16 512 \
+        --batch-sizes 8 32 --repeats 3 --out benchmarks/results/batch_offline_full.json
+
+SmolLM2-135M (f32, greedy, CPU). Two workloads over Spec-Bench first turns (chat template):
+(a) `spec_bench`: max_new_tokens --spec-bench-max-new for every row, EOS ends rows;
+(b) `long_tail`: EOS off, each row's max_new drawn log-uniformly in [--tail LO, HI] (seeded),
+so a batch's rows end at very different steps.
+Modes per (workload, drafter, B): `static` (the API's static batches: `loop.generate_program` /
+`spec_generate_program` per batch of B in file order, rows padded to the batch's buckets) and
+one `refill:RxK` per refill policy (`refill.refill_program` over chunks of up to 8·B prompts, R
+rows per refill pass, refill when K slots are free). Every program is built (compiled, or
+found compiled) before it runs and only its run is timed (compile excluded); the modes take
+turns in a rotating order --repeats times; medians are reported.
+Slot utilisation = busy slot-steps / (decoding steps · B) (static: each row is busy from its
+first decoding step to its last). Tokens/s counts emitted tokens over the programs' run time.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specjax.api import batch_bucket, bucket, chunk_capacity, draft_margin
+from specjax.drafters.registry import make_drafter
+from specjax.loop import StopCriteria, generate_program, spec_generate_program
+from specjax.metrics import job_summary, row_summaries
+from specjax.models.hub import load_model
+from specjax.refill import PromptQueue, RefillPolicy, refill_program
+from specjax.rng import job_row_keys, seed_key
+from specjax.sampling import SamplingParams
+from specjax.target import as_target
+from specjax.timing import build_and_run
+from specjax.tree import chain
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def workloads(tokenizer, args) -> dict[str, tuple[list[list[int]], list[int], tuple[int, ...]]]:
+    """{name: (prompts, max_new per prompt, eos ids)}."""
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode_chat(r["turns"][0])[: args.max_prompt] for r in rows[: args.rows]]
+    low, high = args.tail
+    rng = np.random.default_rng(args.seed)
+    tail = np.exp(rng.uniform(np.log(low), np.log(high), len(prompts))).round().astype(int).tolist()
+    eos = tuple(tokenizer.eos_token_ids)
+    return {"spec_bench": (prompts, [args.spec_bench_max_new] * len(prompts), eos),
+            "long_tail": (prompts, tail, ())}
+
+
+def static_run(model, drafter, dparams, prompts, max_new, eos, batch_size):
+    """(run seconds, new tokens, busy slot-steps, slot-steps, spec rows) of static batches of
+    batch_size (run seconds: the programs' runs, each built before it runs)."""
+    cfg, params = model.cfg, model.params
+    keys = job_row_keys(seed_key(0), list(range(len(prompts))))
+    sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(eos, ())
+    seconds = new = busy = slot_steps = 0
+    spec_rows = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        rows = batch_size if len(chunk) == batch_size else batch_bucket(len(chunk))
+        width_p = bucket(max(len(p) for p in chunk))
+        limit = max_new[start: start + len(chunk)]
+        width = width_p + bucket(max(limit)) + draft_margin(None if drafter is None else drafter.tree)
+        queue = PromptQueue.build(chunk, limit, keys[start: start + len(chunk)], rows, width_p)
+        args = (queue.tokens, queue.lengths, queue.max_new, as_target(cfg).init_cache(rows, width),
+                queue.keys, sampling, criteria)
+        if drafter is None:
+            (state, _, run_s), metrics = build_and_run(generate_program, cfg, params, *args,
+                                                       width=width), None
+        else:
+            (state, metrics, _), _, run_s = build_and_run(
+                spec_generate_program, cfg, params, drafter, dparams, *args,
+                drafter.init_carry(dparams), width=width)
+        seconds += run_s
+        state, metrics = jax.device_get((state, metrics))
+        emitted = (state.num_tokens - state.prompt_lens)[: len(chunk)]
+        new += int(emitted.sum())
+        # a row is busy from its first decoding step to its last (AR: one token per step)
+        busy += int(np.sum(emitted - 1) if metrics is None else np.sum(metrics.steps[: len(chunk)]))
+        slot_steps += int(state.step) * rows
+        if metrics is not None:
+            spec_rows += row_summaries(metrics, len(chunk))
+    return seconds, new, busy, slot_steps, spec_rows
+
+
+def refill_run(model, drafter, dparams, prompts, max_new, eos, batch_size, policy):
+    """(run seconds, new tokens, busy slot-steps, slot-steps, spec rows, refills) through
+    refilled slots (run seconds: the programs' runs, each built before it runs)."""
+    cfg, params = model.cfg, model.params
+    keys = job_row_keys(seed_key(0), list(range(len(prompts))))
+    sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(eos, ())
+    capacity = chunk_capacity(batch_size, len(prompts))
+    seconds = new = busy = slot_steps = refills = 0
+    spec_rows = []
+    carry = () if drafter is None else drafter.init_carry(dparams)
+    for start in range(0, len(prompts), capacity):
+        chunk = prompts[start: start + capacity]
+        limit = max_new[start: start + len(chunk)]
+        width_p = bucket(max(len(p) for p in chunk))
+        width = width_p + bucket(max(limit)) + draft_margin(None if drafter is None else drafter.tree)
+        queue = PromptQueue.build(chunk, limit, keys[start: start + len(chunk)], capacity, width_p)
+        (out, counters, carry), _, run_s = build_and_run(
+            refill_program, cfg, params, drafter, dparams, queue,
+            as_target(cfg).init_cache(batch_size, width), sampling, criteria, carry, width=width,
+            policy=policy)
+        seconds += run_s
+        out, counters = jax.device_get((out, counters))
+        new += int(np.sum(out.num_tokens[: len(chunk)] - np.asarray([len(p) for p in chunk])))
+        busy += int(counters.busy_slot_steps)
+        slot_steps += int(counters.decode_steps) * batch_size
+        refills += int(counters.refills)
+        if out.metrics is not None:
+            spec_rows += row_summaries(out.metrics, len(chunk))
+    return seconds, new, busy, slot_steps, spec_rows, refills
+
+
+def parse_policy(text: str) -> RefillPolicy:
+    rows, _, min_free = text.partition("x")
+    return RefillPolicy(rows=int(rows), min_free=int(min_free or 1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=128, help="prompt tokens kept (head)")
+    parser.add_argument("--spec-bench-max-new", type=int, default=64)
+    parser.add_argument("--tail", type=int, nargs=2, default=(8, 128), metavar=("LO", "HI"))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8])
+    parser.add_argument("--drafts", nargs="+", default=["ar", "ngram"])
+    parser.add_argument("--policies", nargs="+", default=["1x1"], help="refill policies RxK")
+    parser.add_argument("--workloads", nargs="+", default=["long_tail", "spec_bench"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="JSON results")
+    args = parser.parse_args(argv)
+
+    model = load_model("smollm2-135m", dtype="float32")
+    loads = workloads(model.tokenizer, args)
+    drafters = {name: (None, None) if name == "ar" else
+                make_drafter(name, tree=chain(4), target=model, target_cfg=model.cfg,
+                             target_params=model.params) for name in args.drafts}
+    results = []
+    for workload in args.workloads:
+        prompts, max_new, eos = loads[workload]
+        for name, (drafter, dparams) in drafters.items():
+            for batch_size in args.batch_sizes:
+                job = (model, drafter, dparams, prompts, max_new, eos, batch_size)
+                modes = {"static": functools.partial(static_run, *job)}
+                for text in args.policies:
+                    modes[f"refill:{text}"] = functools.partial(refill_run, *job, parse_policy(text))
+                times, outcome, order = {mode: [] for mode in modes}, {}, list(modes)
+                for repeat in range(args.repeats):
+                    for mode in order[repeat % len(order):] + order[: repeat % len(order)]:
+                        outcome[mode] = modes[mode]()
+                        times[mode].append(outcome[mode][0])
+                for mode in modes:
+                    new, busy, slot_steps, spec_rows = outcome[mode][1:5]
+                    seconds = statistics.median(times[mode])
+                    record = {
+                        "workload": workload, "draft": name, "batch_size": batch_size, "mode": mode,
+                        "rows": len(prompts), "new_tokens": new, "time_s": round(seconds, 3),
+                        "tokens_per_s": round(new / seconds, 2),
+                        "slot_utilisation": round(busy / slot_steps, 3) if slot_steps else 0.0,
+                        "refills": outcome[mode][5] if len(outcome[mode]) > 5 else None,
+                        "acceptance_length": round(job_summary(spec_rows)["acceptance_length"], 3)
+                        if spec_rows else None,
+                    }
+                    results.append(record)
+                    print(json.dumps(record), flush=True)
+                static = next(r for r in results[-len(modes):] if r["mode"] == "static")
+                for r in results[-len(modes):]:
+                    r["x_static"] = round(r["tokens_per_s"] / static["tokens_per_s"], 3)
+                    print(f"{workload:10s} {name:6s} B={batch_size:<3d} {r['mode']:12s} "
+                          f"{r['tokens_per_s']:8.1f} tok/s  x{r['x_static']:.2f}  "
+                          f"util {r['slot_utilisation']:.2f}", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

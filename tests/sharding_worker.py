@@ -120,20 +120,23 @@ def whole_shapes(rows: int, width: int) -> set[tuple[int, ...]]:
     return shapes | {layer_k, layer_v, (CFG.num_layers, *layer_k), (CFG.num_layers, *layer_v)}
 
 
-def generate(params, drafter, mesh, sampled=False):
+def generate(params, drafter, mesh, sampled=False, refill=True):
     draft, dparams = drafter
     options = SAMPLING if sampled else {}
     results = api.generate_ids(CFG, params, PROMPTS, draft=draft, drafter_params=dparams,
-                               max_new_tokens=MAX_NEW, eos_ids=(), mesh=mesh, seed=7, **options)
+                               max_new_tokens=MAX_NEW, eos_ids=(), mesh=mesh, seed=7,
+                               refill=refill, **options)
     return [r.token_ids for r in results]
 
 
 def generation_cases(params) -> dict:
     """Greedy tokens of every kind on its meshes (the reference: plain greedy on one device,
     which every greedy speculative output must equal), sampled tokens on one device and on
-    dp=2,tp=4, and the collectives of each sharded decode program."""
+    dp=2,tp=4, and the collectives of each sharded decode program: the refilling chunk's (the
+    default path) for every case, the static batch's decode loop for the kinds run on every
+    mesh."""
     out: dict = {"greedy": {}, "sampled": {}, "collectives": {}, "whole_gathers": {},
-                 "seconds": {}}
+                 "refill_collectives": {}, "seconds": {}}
     out["reference"] = generate(params, (None, None), None)
     kinds = ["ar", "ngram", "suffix", "model", "layerskip", *HEAD_OPTIONS]
     for kind in kinds:
@@ -147,10 +150,18 @@ def generation_cases(params) -> dict:
             start = time.perf_counter()
             out["greedy"][kind][mesh] = generate(params, drafter, mesh)
             out["seconds"][f"{kind} {mesh}"] = round(time.perf_counter() - start, 1)
-            decode_hlo = RECORDED[-1]  # the decode program (the second of the batch's two)
-            out["collectives"][f"{kind} {mesh}"] = loop_collectives(decode_hlo)
-            out["whole_gathers"][f"{kind} {mesh}"] = whole_gathers(
-                decode_hlo, whole_shapes(rows, width))
+            refill_hlo = RECORDED[-1]  # the chunk's one program
+            out["refill_collectives"][f"{kind} {mesh}"] = loop_collectives(refill_hlo)
+            out["whole_gathers"][f"refill {kind} {mesh}"] = whole_gathers(
+                refill_hlo, whole_shapes(rows, width))
+            if kind in ALL_MESH_KINDS:
+                RECORDED.clear()
+                static = generate(params, drafter, mesh, refill=False)
+                assert static == out["greedy"][kind][mesh], (kind, mesh)
+                decode_hlo = RECORDED[-1]  # the decode program (the second of the batch's two)
+                out["collectives"][f"{kind} {mesh}"] = loop_collectives(decode_hlo)
+                out["whole_gathers"][f"{kind} {mesh}"] = whole_gathers(
+                    decode_hlo, whole_shapes(rows, width))
         if kind in SAMPLED_KINDS:
             out["sampled"][kind] = {
                 "reference": generate(params, drafter, None, sampled=True),

@@ -272,6 +272,8 @@ def test_decode_loop_gathers_no_whole_weight_or_cache(worker):
     generation = worker["generation"]
     for name, gathers in generation["whole_gathers"].items():
         assert gathers == [], (name, gathers)
+    for name, counts in generation["refill_collectives"].items():
+        print("refill", name, counts)
     for name, counts in generation["collectives"].items():
         print(name, counts)
         if name.endswith(" tp=8"):

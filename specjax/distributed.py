@@ -160,12 +160,6 @@ def initialize(spec: ProcessSpec) -> None:
     jax.devices()  # every process makes its backend now, together (see below)
 
 
-def current_spec() -> ProcessSpec:
-    """The spec of the running processes as JAX sees them (after `initialize`)."""
-    count = jax.process_count()
-    return ProcessSpec(None if count == 1 else AUTO, count, jax.process_index())
-
-
 def processes_any(flags: np.ndarray) -> np.ndarray:
     """Element-wise OR of a bool array `[N]` over the job's processes (each passes its own)."""
     if jax.process_count() == 1:

@@ -25,6 +25,7 @@ import numpy as np
 
 from specjax import api
 from specjax.prompt_io import append_rows, open_output, output_row, read_prompts
+from specjax.sharding import as_mesh
 
 #: the columns a Generator adds to each block (the rest of the row is passed through)
 OUTPUT_COLUMNS = ("completion", "token_ids", "num_new_tokens", "stop_reason", "time_s",
@@ -46,11 +47,8 @@ class Generator:
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", mesh=None,
                  **options: Any):
-        from specjax.models.hub import load_model  # per actor, in the actor's process
-        from specjax.sharding import as_mesh, loader_shardings
-
         self.mesh = as_mesh(mesh)
-        self.model = load_model(model, dtype=dtype, shardings=loader_shardings(self.mesh))
+        self.model = api.loaded(model, dtype, self.mesh)
         self.options = options
 
     def __call__(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -48,8 +48,9 @@ from specjax.options import (
     draft_choice,
     is_integer,
     job_key,
+    per_prompt_limits,
 )
-from specjax.refill import PromptQueue, RefillPolicy, refill_program
+from specjax.refill import ChunkOutputs, PromptQueue, RefillPolicy, refill_program, slots_program
 from specjax.rng import job_row_keys, prompt_key_id
 from specjax.sampling import SamplingParams
 from specjax.schedule import load_schedule, scheduled
@@ -84,10 +85,10 @@ class PromptError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def check_refill(refill) -> None:
-    """refill is True or False (TypeError otherwise)."""
-    if not isinstance(refill, (bool, np.bool_)):
-        raise TypeError(f"refill must be True or False, got {describe(refill)}")
+def check_refill(value, name: str = "refill") -> None:
+    """value is True or False (TypeError naming the option otherwise)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {describe(value)}")
 
 
 def check_sizes(batch_size: int | None, max_len: int | None) -> None:
@@ -314,26 +315,52 @@ def batch_tree(choice: DraftChoice, schedule, batch_size: int) -> TreeSpec | Non
     return choice.tree
 
 
+def row_limits(max_new_tokens: int | Sequence[int], count: int) -> list[int]:
+    """Each of `count` prompts' max_new_tokens: one int for all, or one per prompt."""
+    if is_integer(max_new_tokens):
+        return [int(max_new_tokens)] * count
+    return [int(m) for m in max_new_tokens]
+
+
+def prompt_problem(ids: Sequence[int], vocab_size: int, max_new_tokens: int, max_len: int,
+                   margin: int = 0) -> str | None:
+    """What is wrong with one token-id prompt, as the end of a sentence naming it ("is empty:
+    ...", "has token ids outside ...", "has N tokens; ... more than max_len=M"), or None."""
+    if len(ids) == 0:
+        return "is empty: nothing to condition on"
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        return f"has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    need = len(ids) + max_new_tokens + margin
+    if need > max_len:
+        drafts = f" + {margin} for drafting" if margin else ""
+        return (f"has {len(ids)} tokens; with max_new_tokens={max_new_tokens}{drafts} it needs "
+                f"{need} cache entries, more than max_len={max_len}")
+    return None
+
+
 def validate_prompts(
-    prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int, max_len: int,
-    labels: Sequence[str] | None = None, margin: int = 0,
+    prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int | Sequence[int],
+    max_len: int, labels: Sequence[str] | None = None, margin: int = 0,
 ) -> None:
-    """Raises PromptError naming the first bad row: empty, ids outside the vocabulary, or
-    prompt + max_new_tokens + margin (`draft_margin`) more than max_len."""
-    for i, ids in enumerate(prompts):
-        name = labels[i] if labels else f"prompt {i}"
-        if len(ids) == 0:
-            raise PromptError(f"{name} is empty: nothing to condition on")
-        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise PromptError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        need = len(ids) + max_new_tokens + margin
-        if need > max_len:
-            drafts = f" + {margin} for drafting" if margin else ""
-            raise PromptError(
-                f"{name} has {len(ids)} tokens; with max_new_tokens={max_new_tokens}{drafts} it "
-                f"needs {need} cache entries, more than max_len={max_len}"
-            )
+    """Raises PromptError naming the first bad row (`prompt_problem`: empty, ids outside the
+    vocabulary, or prompt + its max_new_tokens (one for all, or one per prompt) + margin
+    (`draft_margin`) more than max_len)."""
+    for i, (ids, limit) in enumerate(zip(prompts, row_limits(max_new_tokens, len(prompts)))):
+        problem = prompt_problem(ids, vocab_size, limit, max_len, margin)
+        if problem is not None:
+            raise PromptError(f"{labels[i] if labels else f'prompt {i}'} {problem}")
+
+
+def text_prompt_problems(model, prompts, *, max_new_tokens: int | Sequence[int], chat: bool = True,
+                         margin: int = 0, max_len: int | None = None) -> list[str | None]:
+    """Each text-level prompt's problem for this loaded model once tokenized (`prompt_problem`),
+    or None: what `generate` would refuse, for a caller that skips bad rows instead."""
+    rows, _ = text_level_prompts(prompts, None)
+    limit = max_len or model.cfg.max_position_embeddings
+    return [prompt_problem(row.encode(model.tokenizer, chat), model.cfg.vocab_size, max_new, limit,
+                           margin)
+            for row, max_new in zip(rows, row_limits(max_new_tokens, len(rows)))]
 
 
 def batches(items: Sequence, size: int) -> Iterator[tuple[int, Sequence]]:
@@ -360,7 +387,8 @@ def _pad_keys(row_keys: np.ndarray, batch_size: int) -> np.ndarray:
 
 
 def batch_inputs(target: TargetModel | ModelConfig, prompts: Sequence[Sequence[int]],
-                 shape: BatchShape, max_new_tokens: int, row_keys: np.ndarray, mesh=None):
+                 shape: BatchShape, max_new_tokens: int | Sequence[int], row_keys: np.ndarray,
+                 mesh=None):
     """(prompt tokens `[B, P]`, prompt lengths `[B]`, max_new `[B]`, empty cache, row keys
     `[B, 2]`) of a batch of `shape` (B = shape.rows; rows past the prompts are padding), on the
     default device, or split by rows over the mesh's dp (the cache also by KV heads over tp,
@@ -368,7 +396,7 @@ def batch_inputs(target: TargetModel | ModelConfig, prompts: Sequence[Sequence[i
     rows = shape.rows
     tokens, lengths = _pad_batch(prompts, rows, shape.prompt_width)
     max_new = np.zeros((rows,), np.int32)
-    max_new[: len(prompts)] = max_new_tokens
+    max_new[: len(prompts)] = row_limits(max_new_tokens, len(prompts))
     row_arrays = (tokens, lengths, max_new, _pad_keys(row_keys, rows))
     if mesh is None:
         row_arrays = tuple(jnp.asarray(a) for a in row_arrays)
@@ -383,7 +411,7 @@ def run_batch(
     params,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     sampling: SamplingParams,
     criteria: StopCriteria,
     row_keys: np.ndarray,
@@ -411,7 +439,8 @@ def run_batch(
     """
     if drafter is not None:
         drafter.check_target(target)
-    shape = batch_shape([len(p) for p in prompts], padded_rows(batch_size, mesh), max_new_tokens,
+    shape = batch_shape([len(p) for p in prompts], padded_rows(batch_size, mesh),
+                        max(row_limits(max_new_tokens, len(prompts))),
                         None if drafter is None else drafter.tree)
     width = shape.width
     inputs = batch_inputs(target, prompts, shape, max_new_tokens, row_keys, mesh)
@@ -453,61 +482,97 @@ def chunk_capacity(batch_size: int, num_prompts: int) -> int:
     return min(CHUNK_BATCHES * batch_size, batch_bucket(num_prompts))
 
 
-def run_chunk(
-    target: TargetModel | ModelConfig,
-    params,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    criteria: StopCriteria,
-    row_keys: np.ndarray,
-    batch_size: int,
-    capacity: int,
-    drafter=None,
-    drafter_params=None,
-    drafter_carry=(),
-    batch: int = 0,
-    policy: RefillPolicy = REFILL_POLICY,
-    mesh=None,
-) -> tuple[list[TokenResult], object]:
-    """Runs a chunk of prompts (len(prompts) <= capacity) through `batch_size` slots that are
-    refilled as rows end: ONE program call (`refill.refill_program`), built before it runs.
-
-    Same arguments and results as `run_batch`, plus capacity (the queue's static size,
-    `chunk_capacity`) and the refill policy; the rows' `times` hold the chunk's compile
-    seconds, its whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its
-    `SlotStats`. mesh: as `run_batch`'s (the slots rounded up to a multiple of dp, split over
-    it with the cache; the queue replicated: every device can start any prompt).
-    """
-    if drafter is not None:
-        drafter.check_target(target)
-    slots = padded_rows(batch_size, mesh)
-    shape = batch_shape([len(p) for p in prompts], slots, max_new_tokens,
-                        None if drafter is None else drafter.tree)
-    queue = PromptQueue.build(prompts, max_new_tokens, row_keys, capacity, shape.prompt_width)
-    if mesh is not None:
-        queue = jax.tree.map(lambda x: put(x, replicated(mesh)), queue)
-    cache = empty_cache_on(mesh, as_target(target), slots, shape.width)
-    (outputs, counters, drafter_carry), compile_s, run_s = build_and_run(
-        refill_program, target, params, drafter, drafter_params, queue, cache, sampling, criteria,
-        drafter_carry, width=shape.width, policy=policy)
-    outputs, counters = fetch((outputs, counters))
-    slot_stats = SlotStats(slots, *(int(x) for x in (counters.decode_steps, counters.busy_slot_steps,
-                                                     counters.refills, counters.prefilled)))
-    times = BatchTimes(batch, compile_s, 0.0, run_s, slot_stats)
-    spec = row_summaries(outputs.metrics, len(prompts)) if outputs.metrics is not None else None
-    results = [
-        TokenResult(
-            token_ids=outputs.tokens[i, len(ids) : outputs.num_tokens[i]].tolist(),
+def chunk_results(outputs: ChunkOutputs, prompts: Sequence[Sequence[int]],
+                  times: BatchTimes) -> dict[int, TokenResult]:
+    """{job index: TokenResult} of the rows a refilling call ended (outputs on the host)."""
+    count = int(outputs.count)
+    spec = row_summaries(outputs.metrics, count) if outputs.metrics is not None else None
+    results = {}
+    for i in range(count):
+        index = int(outputs.prompt[i])
+        results[index] = TokenResult(
+            token_ids=outputs.tokens[i, len(prompts[index]): outputs.num_tokens[i]].tolist(),
             stop_reason=STOP_REASONS[int(outputs.stop_reason[i])],
             time_s=times.run_s,
             spec=spec[i] if spec else None,
             times=times,
         )
-        for i, ids in enumerate(prompts)
-    ]
-    return results, drafter_carry
+    return results
+
+
+def consecutive_runs(results: Mapping[int, TokenResult]) -> Iterator[tuple[int, list[TokenResult]]]:
+    """(first index, results) of each run of consecutive indices of `results`, in index order."""
+    run: list[TokenResult] = []
+    first = None
+    for index in sorted(results):
+        if run and index != first + len(run):
+            yield first, run
+            run = []
+        if not run:
+            first = index
+        run.append(results[index])
+    if run:
+        yield first, run
+
+
+def run_chunks(
+    target: TargetModel | ModelConfig,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    sampling: SamplingParams,
+    criteria: StopCriteria,
+    row_keys: np.ndarray,
+    batch_size: int,
+    capacity: int | None = None,
+    drafter=None,
+    drafter_params=None,
+    drafter_carry=(),
+    policy: RefillPolicy = REFILL_POLICY,
+    mesh=None,
+) -> Iterator[dict[int, TokenResult]]:
+    """Runs a job's prompts through `batch_size` slots refilled as rows end, in chunks of
+    `capacity` prompts (default `chunk_capacity`): ONE program call per chunk
+    (`refill.refill_program`), built before it runs; the slots (and rows still running in them)
+    go from one call to the next, so they drain only at the job's end.
+
+    Same arguments as `run_batch` (max_new_tokens: one for all or one per prompt), plus the
+    refill policy. Yields, per call, {job index: TokenResult} of the rows that ended in it;
+    their `times` hold the call's compile seconds (the first call's also the slots' start), its
+    whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its `SlotStats`.
+    mesh: as `run_batch`'s (the slots rounded up to a multiple of dp, split over it with the
+    cache; the queue replicated: every device can start any prompt).
+    """
+    if drafter is not None:
+        drafter.check_target(target)
+    limits = row_limits(max_new_tokens, len(prompts))
+    capacity = capacity or chunk_capacity(batch_size, len(prompts))
+    rows = padded_rows(batch_size, mesh)
+    shape = batch_shape([len(p) for p in prompts], rows, max(limits),
+                        None if drafter is None else drafter.tree)
+    cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
+    slots, start_compile_s, start_s = build_and_run(slots_program, drafter, drafter_params, cache,
+                                                    drafter_carry, width=shape.width)
+    placement = None if mesh is None else jax.tree.map(lambda x: x.sharding, slots)
+    for index, (first, chunk) in enumerate(batches(prompts, capacity)):
+        queue = PromptQueue.build(chunk, limits[first: first + len(chunk)],
+                                  row_keys[first: first + len(chunk)], capacity,
+                                  shape.prompt_width, first=first)
+        if mesh is not None:
+            queue = jax.tree.map(lambda x: put(x, replicated(mesh)), queue)
+        last = first + len(chunk) >= len(prompts)
+        (outputs, counters, slots), compile_s, run_s = build_and_run(
+            refill_program, target, params, drafter, drafter_params, queue, slots, sampling,
+            criteria, last, policy=policy)
+        if placement is not None:  # the next call's slots where the first call's were
+            slots = jax.device_put(slots, placement)
+        outputs, counters = fetch((outputs, counters))
+        slot_stats = SlotStats(rows, *(int(x) for x in (counters.decode_steps, counters.busy_slot_steps,
+                                                        counters.refills, counters.prefilled)))
+        times = BatchTimes(index, compile_s + start_compile_s, 0.0, run_s + start_s, slot_stats)
+        start_compile_s = start_s = 0.0
+        yield chunk_results(outputs, prompts, times)
 
 
 def drafter_dtype(dtype: str, target) -> str:
@@ -555,7 +620,7 @@ def iter_generate_ids(
     tree: TreeSpec | str | None = None,
     drafter_params=None,
     config: GenerationConfig | None = None,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -573,6 +638,7 @@ def iter_generate_ids(
     drafter=None,
     mesh=None,
     refill: bool = True,
+    ordered: bool = True,
 ) -> Iterator[tuple[int, list[TokenResult]]]:
     """Yields (index of the chunk's first prompt, its TokenResults) as each chunk (static
     batch, with refill=False) finishes.
@@ -587,6 +653,7 @@ def iter_generate_ids(
     drafter_params: the params of a Drafter given alone (default None).
     config: a GenerationConfig, in place of max_new_tokens, temperature, top_k, top_p and
       eos_ids (default: GenerationConfig()'s values; an option given both ways is an error).
+      max_new_tokens may also be a sequence of ints, one per prompt.
       eos_ids: ids that end a row (None: the target's `eos_token_ids`; () = none).
     stop_token_seqs: token sequences that end a row (stop strings need `generate`).
     seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
@@ -611,12 +678,16 @@ def iter_generate_ids(
     refill: continuous batching (default True): the prompts go to the device in chunks of up
       to CHUNK_BATCHES * batch_size, and the batch's rows are slots refilled with the next
       prompt as rows end, inside one program per chunk (`specjax.refill`); one (start, results)
-      per chunk. False: static batches of batch_size run to their slowest row, one
-      (start, results) per batch. The tokens are the same either way.
+      per run of consecutive prompts that ended; the slots go on from chunk to chunk. False:
+      static batches of batch_size run to their slowest row, one (start, results) per batch.
+      The tokens are the same either way.
+    ordered: yield in prompt order (default True); False (refill only): each chunk's rows as
+      soon as its call returns (runs may come out of order; a killed job loses fewer rows).
     Every argument is checked when this is called (TypeError / ValueError / PromptError naming
     the row or argument), before anything compiles; the batches run as the result is iterated.
     """
     prompts, labels = id_prompts(prompts, labels)
+    max_new_tokens, limits = per_prompt_limits(max_new_tokens, len(prompts))
     generation = GenerationConfig.resolve(config, max_new_tokens=max_new_tokens,
                                           temperature=temperature, top_k=top_k, top_p=top_p,
                                           eos_ids=eos_ids)
@@ -627,18 +698,21 @@ def iter_generate_ids(
     return id_job(target, params, prompts, generation, job_key(seed, key), choice,
                   stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
                   schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
-                  mesh=as_mesh(mesh), refill=refill)
+                  mesh=as_mesh(mesh), refill=refill, ordered=ordered, limits=limits)
 
 
 def id_job(target, params, prompts: list[list[int]], generation: GenerationConfig,
            key: np.ndarray, choice: DraftChoice, *, stop_token_seqs, batch_size: int | None,
            max_len: int | None, schedule, labels: list[str], prompt_ids, model, dtype: str,
-           mesh=None, refill: bool = True):
+           mesh=None, refill: bool = True, ordered: bool = True, limits: list[int] | None = None):
     """The batches of a job whose options are checked (`iter_generate_ids` documents them),
     after the checks that need the target: prompt ids in its vocabulary, rows within max_len,
-    a mesh that divides the model. key: the job's `[2]` uint32 PRNG key; mesh: a Mesh or None."""
+    a mesh that divides the model. key: the job's `[2]` uint32 PRNG key; mesh: a Mesh or None;
+    limits: each prompt's max_new_tokens (None: the generation config's for all)."""
     check_sizes(batch_size, max_len)
     check_refill(refill)
+    check_refill(ordered, "ordered")
+    limits = limits or [generation.max_new_tokens] * len(prompts)
     use_compile_cache()  # the first job of the process sets the persistent cache up
     key_ids = row_key_ids(prompt_ids, len(prompts))
     target_model = as_target(target)
@@ -646,21 +720,21 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
     criteria = StopCriteria.make(eos_ids, stop_token_seqs)
     batch_size = batch_rows(batch_size, len(prompts))
     margin = draft_margin(batch_tree(choice, schedule, batch_size))
-    validate_prompts(prompts, target_model.vocab_size, generation.max_new_tokens,
+    validate_prompts(prompts, target_model.vocab_size, limits,
                      max_len or target_model.max_position_embeddings, labels, margin)
     params = shard_params(params, mesh, llama_config(target))
     drafter, drafter_params = build_drafter(choice, target, params, model, dtype)
     return _run_job(
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,
-        dtype=drafter_dtype(dtype, target), mesh=mesh, max_new_tokens=generation.max_new_tokens,
-        sampling=generation.sampling(), criteria=criteria, refill=refill,
+        dtype=drafter_dtype(dtype, target), mesh=mesh, max_new_tokens=limits,
+        sampling=generation.sampling(), criteria=criteria, refill=refill, ordered=ordered,
     )
 
 
 def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
              drafter_params, schedule, model, dtype: str, mesh=None, refill: bool = False,
-             **batch_options):
+             ordered: bool = True, **batch_options):
     """The batches of a checked job, as `iter_generate_ids` yields them. row_keys `[N, 2]`: each
     prompt's PRNG key; batch_options: run_batch's max_new_tokens, sampling, criteria; refill:
     chunks of prompts through refilled slots (`_run_refill_job`) instead of static batches."""
@@ -669,12 +743,14 @@ def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, 
     if refill:
         yield from _run_refill_job(target, params, prompts, row_keys, batch_size=batch_size,
                                    drafter=drafter, drafter_params=drafter_params, mesh=mesh,
-                                   **batch_options)
+                                   ordered=ordered, **batch_options)
         return
     carry = () if drafter is None else drafter.init_carry(drafter_params)
+    limits = batch_options.pop("max_new_tokens")
     for index, (start, chunk) in enumerate(batches(prompts, batch_size)):
         results, carry = run_batch(
             target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
+            max_new_tokens=limits[start : start + len(chunk)],
             batch_size=batch_rows(batch_size, len(chunk)), drafter=drafter, drafter_params=drafter_params,
             drafter_carry=carry, batch=index, mesh=mesh, **batch_options,
         )
@@ -682,20 +758,25 @@ def _run_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, 
 
 
 def _run_refill_job(target, params, prompts, row_keys: np.ndarray, *, batch_size: int, drafter,
-                    drafter_params, mesh=None, **batch_options):
-    """The chunks of a checked job (each `chunk_capacity` prompts in file order, through
-    `batch_size` refilled slots), as `iter_generate_ids` yields them; the drafter's carry goes
-    from chunk to chunk."""
-    capacity = chunk_capacity(batch_size, len(prompts))
+                    drafter_params, mesh=None, ordered: bool = True, **batch_options):
+    """The runs of a checked job through `batch_size` refilled slots (`run_chunks`), as
+    `iter_generate_ids` yields them: in prompt order (ordered), or each call's rows as they end."""
     carry = () if drafter is None else drafter.init_carry(drafter_params)
-    for index, (start, chunk) in enumerate(batches(prompts, capacity)):
-        results, carry = run_chunk(
-            target, params, chunk, row_keys=row_keys[start : start + len(chunk)],
-            batch_size=batch_size, capacity=capacity, drafter=drafter,
-            drafter_params=drafter_params, drafter_carry=carry, batch=index, mesh=mesh,
-            **batch_options,
-        )
-        yield start, results
+    pending: dict[int, TokenResult] = {}
+    done = 0
+    for ended in run_chunks(target, params, prompts, row_keys=row_keys, batch_size=batch_size,
+                            drafter=drafter, drafter_params=drafter_params, drafter_carry=carry,
+                            mesh=mesh, **batch_options):
+        if not ordered:
+            yield from consecutive_runs(ended)
+            continue
+        pending.update(ended)
+        run = []
+        while done + len(run) in pending:
+            run.append(pending.pop(done + len(run)))
+        if run:
+            yield done, run
+            done += len(run)
 
 
 def generate_ids(target: TargetModel | ModelConfig, params, prompts: Sequence[Sequence[int]],
@@ -761,7 +842,7 @@ def iter_generate(
     tree: TreeSpec | str | None = None,
     drafter_params=None,
     config: GenerationConfig | None = None,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | Sequence[int] | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -778,6 +859,7 @@ def iter_generate(
     prompt_ids: Sequence[int | str] | None = None,
     mesh=None,
     refill: bool = True,
+    ordered: bool = True,
 ) -> Iterator[tuple[int, list[Generation]]]:
     """Yields (index of the chunk's first prompt, its Generations) as each chunk (static batch,
     with refill=False) finishes.
@@ -793,7 +875,8 @@ def iter_generate(
       own tree. drafter_params: the params of a Drafter given alone.
     config: a GenerationConfig in place of max_new_tokens (default 128), temperature (0 =
       greedy), top_k, top_p, stop (a stop string or several) and eos_ids (default: the model's
-      and its tokenizer's end tokens); an option given both ways is an error.
+      and its tokenizer's end tokens); an option given both ways is an error. max_new_tokens
+      may also be a sequence of ints, one per prompt.
     seed / key: the job's PRNG seed (int in [0, 2^32), default 0) or a JAX PRNG key; not both.
     chat: render str prompts with the chat template (default True; chats always are).
     batch_size: prompts per batch at most (default 8); a batch runs as many rows as its
@@ -810,11 +893,13 @@ def iter_generate(
     mesh: None (one device), "auto", "dp=N,tp=M", a MeshSpec or a Mesh (see `iter_generate_ids`);
       a model given by name / path loads straight into its shards.
     refill: continuous batching in chunks (default True; see `iter_generate_ids`); False:
-      static batches.
+      static batches. ordered: prompt order (default), or each chunk's rows as its call
+      returns (see `iter_generate_ids`).
     The prompts' types and every option are checked before the model loads (TypeError /
     ValueError / PromptError naming the row or argument); the prompts' lengths once tokenized.
     """
     rows, labels = text_level_prompts(prompts, labels)
+    max_new_tokens, limits = per_prompt_limits(max_new_tokens, len(rows))
     generation = GenerationConfig.resolve(config, max_new_tokens=max_new_tokens,
                                           temperature=temperature, top_k=top_k, top_p=top_p,
                                           stop=stop, eos_ids=eos_ids)
@@ -832,7 +917,7 @@ def iter_generate(
         model.cfg, model.params, [row.encode(tokenizer, chat) for row in rows], generation, job,
         choice, stop_token_seqs=tokenizer.stop_sequences(generation.stop), batch_size=batch_size,
         max_len=max_len, schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model,
-        dtype=dtype, mesh=mesh, refill=refill,
+        dtype=dtype, mesh=mesh, refill=refill, ordered=ordered, limits=limits,
     )
     return _generations(tokenizer, rows, batches_of_results, generation)
 

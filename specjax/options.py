@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -124,6 +124,22 @@ class GenerationConfig:
             raise ValueError(f"{', '.join(sorted(options))} given both in config= and as keyword "
                              "arguments: give each option one way")
         return config
+
+
+def per_prompt_limits(max_new_tokens, count: int) -> tuple[int | None, list[int] | None]:
+    """(the scalar for GenerationConfig, each prompt's limit or None) of a max_new_tokens option
+    that is None, one int, or a sequence of `count` ints >= 1 (one per prompt: the config gets
+    their largest)."""
+    if max_new_tokens is None or is_integer(max_new_tokens) or isinstance(max_new_tokens, (str, bytes)):
+        return max_new_tokens, None
+    if not isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, np.ndarray):
+        raise TypeError(f"max_new_tokens must be an int or a sequence of ints (one per prompt), "
+                        f"got {describe(max_new_tokens)}")
+    limits = [check_int(m, f"max_new_tokens[{i}]", 1) for i, m in enumerate(max_new_tokens)]
+    if len(limits) != count:
+        raise ValueError(f"max_new_tokens has {len(limits)} values for {count} prompts: give one "
+                         "int, or one per prompt")
+    return (max(limits) if limits else None), limits
 
 
 def job_key(seed: int | None, key) -> np.ndarray:

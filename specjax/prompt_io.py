@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specjax.errors import InputError
@@ -197,7 +197,8 @@ def prompt_row(record, where: str) -> dict:
     """Normalises one JSONL record to {"id", "category", "prompt"}.
 
     Accepts {"prompt": ...} (optional "id", "category") and Spec-Bench / MT-bench rows
-    {"question_id", "category", "turns": [...]} (first turn).
+    {"question_id", "category", "turns": [...]} (first turn); either may give its own
+    "max_new_tokens" (an int >= 1; kept in the row only when given).
     """
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -215,10 +216,18 @@ def prompt_row(record, where: str) -> dict:
     row_id = record.get("id", record.get("question_id", record.get("task_id")))
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
         raise InputError(f"{where}: the id must be a string or an integer, got {row_id!r}")
-    return {"id": row_id, "category": record.get("category"), "prompt": prompt}
+    row = {"id": row_id, "category": record.get("category"), "prompt": prompt}
+    if "max_new_tokens" in record:
+        max_new = record["max_new_tokens"]
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InputError(f"{where}: max_new_tokens must be an integer >= 1, got {max_new!r}")
+        row["max_new_tokens"] = max_new
+    return row
 
-def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Rows of a JSONL prompt file; ids default to the 0-based line number."""
+def read_prompts(path: str | os.PathLike, on_bad: Callable[[str], None] | None = None) -> list[dict]:
+    """Rows of a JSONL prompt file; ids default to the 0-based line number. A bad row (not
+    UTF-8, not JSON, no prompt, a bad field) is an InputError naming its line, or, given
+    on_bad, skipped after on_bad(that message)."""
     rows = []
     try:
         data = Path(path).read_bytes()
@@ -226,20 +235,32 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
         raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
     for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
         where = f"{path}:{number}"
-        line = decoded_line(raw, where)
-        if not line.strip():
-            continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-        row = prompt_row(record, where)
+            row = line_row(raw, where)
+        except InputError as e:
+            if on_bad is None:
+                raise
+            on_bad(str(e))
+            continue
+        if row is None:
+            continue
         row["id"] = number - 1 if row["id"] is None else row["id"]
         row["where"] = where
         rows.append(row)
     if not rows:
         raise InputError(f"{path}: no prompts")
     return rows
+
+def line_row(raw: bytes, where: str) -> dict | None:
+    """The prompt row of one line of a prompt file (None: a blank line)."""
+    line = decoded_line(raw, where)
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+    return prompt_row(record, where)
 
 def decoded_line(raw: bytes, where: str) -> str:
     """One line of a text file as str; an InputError names `where` when it is not UTF-8."""

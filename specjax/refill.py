@@ -1,15 +1,15 @@
 """Continuous batching inside the one program: B slots, a queue of prompts, one `while_loop`.
 
 A chunk of a job's prompts goes to the device as a `PromptQueue` (`[Q, P]` right-padded
-tokens, lengths, max_new, per-prompt PRNG keys, and how many of the Q entries are real). The
-loop keeps B slots busy: each iteration first runs the refill passes the `RefillPolicy` asks
-for, then one decoding step (`loop.ar_step`, or `loop.spec_step` with a drafter) over all B
-slots. A first refill pass fills all B slots at once (a batch of B rows, as a static batch
-starts); the later passes
+tokens, lengths, max_new, per-prompt PRNG keys, how many of the Q entries are real and the job
+index of the first). The loop keeps the B `Slots` busy: each iteration first runs the refill
+passes the `RefillPolicy` asks for, then one decoding step (`loop.ar_step`, or `loop.spec_step`
+with a drafter) over all B slots. When every slot is free (a job's first chunk) one pass fills
+all B slots at once (a batch of B rows, as a static batch starts); the other passes
 
-1. harvest every slot whose row ended (EOS, stop sequence, max_new_tokens, error): its token
-   row, length, stop reason and speculative counters go to the chunk's outputs (`[Q, ...]`,
-   at the prompt's index in the queue) and the slot is free;
+1. harvest every slot whose row ended (EOS, stop sequence, max_new_tokens, error): its job
+   index, token row, length, stop reason and speculative counters go to the call's outputs
+   (`ChunkOutputs`, `[Q + B, ...]`, in the order rows ended) and the slot is free;
 2. take the next `policy.rows` queued prompts (fewer when fewer slots are free or fewer
    prompts are left) and prefill them as a batch of `policy.rows` rows, exactly as a static
    batch starts (`loop.init_state` + `loop.prefill`: positions from 0, a fresh cache row,
@@ -18,14 +18,18 @@ starts); the later passes
 3. write those rows over the free slots (`gather.put_rows`: the slot's token row, counters,
    key, cache row and drafter rows; unused pass rows are dropped).
 
-A row whose first token ends it (max_new 1, EOS) is harvested by the next pass. When the queue
-is empty and every slot has ended, the loop stops and the last rows are harvested. A prompt's
-randomness is its own key folded with the tokens it has emitted (`specjax.rng`), so a row
-samples the same tokens whichever slot, batch size or neighbours it gets, and greedy rows equal
-a batch of one token for token.
+The slots outlive a call: when the queue is empty and a slot is free, a call that is not the
+job's last (`last` False) stops and returns its slots, still running their rows, and the next
+call refills the free ones from the next chunk's queue. So the slots never drain between chunks,
+only at the job's end (the `last` call runs until every row has ended). A row whose first token
+ends it (max_new 1, EOS) is harvested by the next pass. A prompt's randomness is its own key
+folded with the tokens it has emitted (`specjax.rng`), so a row samples the same tokens whichever
+slot, chunk, batch size or neighbours it gets, and greedy rows equal a batch of one token for
+token.
 
-`refill_program` is the jitted program (one per target, drafter, shapes and policy); the
-counters (`SlotCounters`) tell how busy the slots were.
+`slots_program` makes a job's empty slots (and the drafter's state, with its job-level carry);
+`refill_program` is one call (one per target, drafter, shapes and policy); the counters
+(`SlotCounters`) tell how busy the slots were.
 """
 from __future__ import annotations
 
@@ -68,7 +72,8 @@ class PromptQueue:
 
     tokens: `[Q, P]` int32 right-padded prompts; lengths `[Q]` int32; max_new `[Q]` int32;
     keys: `[Q, 2]` uint32 each prompt's PRNG key (`specjax.rng.job_row_keys`);
-    size: `[]` int32 the real prompts (entries from `size` on are padding, never started).
+    size: `[]` int32 the real prompts (entries from `size` on are padding, never started);
+    first: `[]` int32 the job index of entry 0 (entry i is the job's prompt first + i).
     """
 
     tokens: jax.Array
@@ -76,15 +81,18 @@ class PromptQueue:
     max_new: jax.Array
     keys: jax.Array
     size: jax.Array
+    first: jax.Array
 
     @property
     def capacity(self) -> int:
         return self.tokens.shape[0]
 
     @classmethod
-    def build(cls, prompts, max_new, keys, capacity: int, prompt_width: int) -> PromptQueue:
+    def build(cls, prompts, max_new, keys, capacity: int, prompt_width: int,
+              first: int = 0) -> PromptQueue:
         """The queue of `len(prompts) <= capacity` token-id prompts (each at most prompt_width
-        long), max_new `[N]` ints (or one for all), keys `[N, 2]` uint32, padded to `capacity` entries (host)."""
+        long), max_new `[N]` ints (or one for all), keys `[N, 2]` uint32, padded to `capacity`
+        entries (host); first: the job index of prompts[0]."""
         count = len(prompts)
         tokens = np.zeros((capacity, prompt_width), np.int32)
         lengths = np.ones((capacity,), np.int32)
@@ -96,31 +104,35 @@ class PromptQueue:
         key_rows = np.zeros((capacity, 2), np.uint32)
         key_rows[:count] = keys
         return cls(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new_rows),
-                   jnp.asarray(key_rows), jnp.int32(count))
+                   jnp.asarray(key_rows), jnp.int32(count), jnp.int32(first))
 
 
 @struct.dataclass
 class ChunkOutputs:
-    """Each queued prompt's finished row, at its index in the queue.
+    """The rows that ended during one call, in the order they ended (entries from `count` on
+    are unused).
 
-    tokens: `[Q, W]` int32 the row's buffer (prompt, then `num_tokens - length` new tokens);
-    num_tokens `[Q]`, stop_reason `[Q]` int32 (`loop.STOP_REASONS`);
-    metrics: `SpecMetrics` `[Q]` when speculating, else None.
+    prompt: `[Q + B]` int32 the row's job index (-1: unused); tokens `[Q + B, W]` int32 the
+    row's buffer (prompt, then `num_tokens - length` new tokens); num_tokens `[Q + B]`,
+    stop_reason `[Q + B]` int32 (`loop.STOP_REASONS`); metrics: `SpecMetrics` `[Q + B]` when
+    speculating, else None; count: `[]` int32 the rows.
     """
 
+    prompt: jax.Array
     tokens: jax.Array
     num_tokens: jax.Array
     stop_reason: jax.Array
     metrics: SpecMetrics | None
+    count: jax.Array
 
 
 @struct.dataclass
 class SlotCounters:
-    """How the slots spent the program (`[]` int32 each).
+    """How the slots spent one call (`[]` int32 each).
 
     decode_steps: decoding steps over all B slots; busy_slot_steps: slot-steps of running
     rows (utilisation = busy / (decode_steps * B)); refills: refill passes (each a prefill of
-    `policy.rows` rows); prefilled: prompts started.
+    `policy.rows` rows, or of B when every slot was free); prefilled: prompts started.
     """
 
     decode_steps: jax.Array
@@ -130,17 +142,28 @@ class SlotCounters:
 
 
 @struct.dataclass
-class RefillCarry:
-    """The loop's state: the B slots, the queue's progress and the outputs so far.
+class Slots:
+    """The B slots, from one call to the next.
 
-    slot_prompt: `[B]` int32 the queue index of each slot's prompt (-1: empty / harvested);
-    next_prompt: `[]` int32 the first prompt not started yet.
+    state: the slots' `DecodeState` (rows, cache); drafter_state: the drafter's state (its rows
+    and its job-level carry), None for plain decoding; metrics: `SpecMetrics` `[B]` of the
+    running rows, or None; prompt: `[B]` int32 the job index of each slot's row (-1: free).
     """
 
     state: DecodeState
     drafter_state: object
     metrics: SpecMetrics | None
-    slot_prompt: jax.Array
+    prompt: jax.Array
+
+
+@struct.dataclass
+class RefillCarry:
+    """One call's loop state: the slots, the queue's progress and the rows ended so far.
+
+    next_prompt: `[]` int32 the first queue entry not started yet.
+    """
+
+    slots: Slots
     next_prompt: jax.Array
     outputs: ChunkOutputs
     counters: SlotCounters
@@ -149,28 +172,46 @@ class RefillCarry:
 # ---- building blocks ---------------------------------------------------------------------------
 
 
-def empty_slots(cache: KVCache, prompt_width: int, width: int) -> DecodeState:
+def empty_slots(cache: KVCache, width: int) -> DecodeState:
     """B slots holding no prompt (done, one padding token): `[B]` from the cache's rows."""
     batch = cache.lengths.shape[0]
-    return init_state(jnp.zeros((batch, prompt_width), jnp.int32), jnp.ones((batch,), jnp.int32),
+    return init_state(jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32),
                       jnp.zeros((batch,), jnp.int32), cache, jnp.zeros((batch, 2), jnp.uint32), width)
 
 
+def start_slots(drafter, drafter_params, cache: KVCache, drafter_carry=(), *, width: int) -> Slots:
+    """A job's B free slots (B = the cache's rows, buffers of width W): the drafter's state
+    starts from its job-level carry (`drafter.init_carry` or an earlier job's)."""
+    state = empty_slots(cache, width)
+    batch = state.done.shape[0]
+    if drafter is None:
+        return Slots(state, None, None, jnp.full((batch,), -1, jnp.int32))
+    drafter_state = drafter.resume(drafter.init(drafter_params, batch, width), drafter_carry)
+    return Slots(state, drafter_state, SpecMetrics.zeros(batch, drafter.tree.max_depth),
+                 jnp.full((batch,), -1, jnp.int32))
+
+
 def empty_outputs(capacity: int, width: int, max_depth: int | None) -> ChunkOutputs:
-    """Outputs of `capacity` prompts not finished yet (metrics of depth max_depth, or None)."""
+    """Room for `capacity` ended rows (metrics of depth max_depth, or None)."""
     zeros = jnp.zeros((capacity,), jnp.int32)
     metrics = None if max_depth is None else SpecMetrics.zeros(capacity, max_depth)
-    return ChunkOutputs(jnp.zeros((capacity, width), jnp.int32), zeros, zeros, metrics)
+    return ChunkOutputs(jnp.full((capacity,), -1, jnp.int32), jnp.zeros((capacity, width), jnp.int32),
+                        zeros, zeros, metrics, jnp.zeros((), jnp.int32))
 
 
 def harvest(carry: RefillCarry) -> RefillCarry:
-    """Copies every ended slot's row to the outputs at its prompt's index; those slots are free."""
-    state = carry.state
-    ended = state.done & (carry.slot_prompt >= 0)
-    dest = jnp.where(ended, carry.slot_prompt, carry.outputs.num_tokens.shape[0])  # Q: dropped
-    rows = ChunkOutputs(state.tokens, state.num_tokens, state.stop_reason, carry.metrics)
-    outputs = jax.tree.map(lambda out, row: out.at[dest].set(row, mode="drop"), carry.outputs, rows)
-    return carry.replace(outputs=outputs, slot_prompt=jnp.where(ended, -1, carry.slot_prompt))
+    """Appends every ended slot's row to the outputs (in slot order); those slots are free."""
+    slots, outputs = carry.slots, carry.outputs
+    ended = slots.state.done & (slots.prompt >= 0)
+    rank = jnp.cumsum(ended) - 1
+    dest = jnp.where(ended, outputs.count + rank, outputs.prompt.shape[0])  # Q + B: dropped
+    state = slots.state
+    rows = (slots.prompt, state.tokens, state.num_tokens, state.stop_reason, slots.metrics)
+    kept = (outputs.prompt, outputs.tokens, outputs.num_tokens, outputs.stop_reason, outputs.metrics)
+    written = jax.tree.map(lambda out, row: out.at[dest].set(row, mode="drop"), kept, rows)
+    outputs = ChunkOutputs(*written, count=outputs.count + jnp.sum(ended).astype(jnp.int32))
+    return carry.replace(outputs=outputs,
+                         slots=slots.replace(prompt=jnp.where(ended, -1, slots.prompt)))
 
 
 def pick_slots(free: jax.Array, count: jax.Array, rows: int) -> jax.Array:
@@ -196,8 +237,18 @@ def wants_refill(carry: RefillCarry, queue: PromptQueue, policy: RefillPolicy) -
     """`[]` bool: prompts are queued and at least min(min_free, prompts left) slots have ended
     (or none is running)."""
     left = queue.size - carry.next_prompt
-    ended = jnp.sum(carry.state.done)
-    return (left > 0) & ((ended >= jnp.minimum(policy.min_free, left)) | jnp.all(carry.state.done))
+    done = carry.slots.state.done
+    ended = jnp.sum(done)
+    return (left > 0) & ((ended >= jnp.minimum(policy.min_free, left)) | jnp.all(done))
+
+
+def keeps_running(carry: RefillCarry, queue: PromptQueue, last: jax.Array) -> jax.Array:
+    """`[]` bool: a row is running or a prompt is queued, unless the call is not the job's last
+    (`last` False), its queue is empty and a slot is free: then the next call's prompts fill it."""
+    done = carry.slots.state.done
+    left = queue.size - carry.next_prompt
+    pause = ~last & (left <= 0) & jnp.any(done)
+    return (jnp.any(~done) | (left > 0)) & ~pause
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -205,41 +256,39 @@ def wants_refill(carry: RefillCarry, queue: PromptQueue, policy: RefillPolicy) -
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
-    """What one loop runs (static): the target, the drafter (None: plain decoding), the policy
-    and the token buffer width W."""
+    """What one loop runs (static): the target, the drafter (None: plain decoding) and the
+    policy."""
 
     target: TargetModel
     drafter: object
     policy: RefillPolicy
-    width: int
 
     def refill_pass(self, rows: int, params, drafter_params, queue: PromptQueue,
                     carry: RefillCarry, sampling: SamplingParams, criteria: StopCriteria) -> RefillCarry:
         """Harvests the ended slots and starts up to `rows` (static) queued prompts in free ones,
         prefilled as one batch of `rows` rows."""
         carry = harvest(carry)
-        drafter = self.drafter
+        drafter, slots = self.drafter, carry.slots
+        width = slots.state.tokens.shape[1]
         left = queue.size - carry.next_prompt
-        slots = pick_slots(carry.state.done, left, rows)
-        use = slots < carry.state.done.shape[0]
+        place = pick_slots(slots.state.done, left, rows)
+        use = place < slots.state.done.shape[0]
         tokens, lengths, max_new, keys = queued_rows(queue, carry.next_prompt, use)
-        cache = as_target(self.target).init_cache(rows, self.width)
-        fresh = init_state(tokens, lengths, max_new, cache, keys, self.width)
+        cache = as_target(self.target).init_cache(rows, width)
+        fresh = init_state(tokens, lengths, max_new, cache, keys, width)
         hidden_layers = () if drafter is None else drafter.hidden_layers
         fresh, prefill_out = prefill(self.target, params, fresh, tokens.shape[1], sampling,
                                      criteria, hidden_layers)
-        drafter_state, metrics = carry.drafter_state, carry.metrics
+        drafter_state, metrics = slots.drafter_state, slots.metrics
         if drafter is not None:
-            drafter_state = drafter.refill(drafter_params, drafter_state, fresh, prefill_out, slots)
-            metrics = put_rows(metrics, SpecMetrics.zeros(rows, drafter.tree.max_depth), slots)
+            drafter_state = drafter.refill(drafter_params, drafter_state, fresh, prefill_out, place)
+            metrics = put_rows(metrics, SpecMetrics.zeros(rows, drafter.tree.max_depth), place)
         started = jnp.sum(use).astype(jnp.int32)
-        queue_index = carry.next_prompt + jnp.arange(rows, dtype=jnp.int32)
+        job_index = queue.first + carry.next_prompt + jnp.arange(rows, dtype=jnp.int32)
         counters = carry.counters
         return carry.replace(
-            state=put_rows(carry.state, fresh, slots),
-            drafter_state=drafter_state,
-            metrics=metrics,
-            slot_prompt=carry.slot_prompt.at[slots].set(queue_index, mode="drop"),
+            slots=Slots(state=put_rows(slots.state, fresh, place), drafter_state=drafter_state,
+                        metrics=metrics, prompt=slots.prompt.at[place].set(job_index, mode="drop")),
             next_prompt=carry.next_prompt + started,
             counters=counters.replace(refills=counters.refills + 1,
                                       prefilled=counters.prefilled + started),
@@ -248,36 +297,29 @@ class Decoder:
     def decode_step(self, params, drafter_params, carry: RefillCarry, sampling: SamplingParams,
                     criteria: StopCriteria) -> RefillCarry:
         """One decoding step over every slot (ended slots change nothing)."""
-        counters = carry.counters
+        slots, counters = carry.slots, carry.counters
         counters = counters.replace(
             decode_steps=counters.decode_steps + 1,
-            busy_slot_steps=counters.busy_slot_steps + jnp.sum(~carry.state.done).astype(jnp.int32))
+            busy_slot_steps=counters.busy_slot_steps + jnp.sum(~slots.state.done).astype(jnp.int32))
         if self.drafter is None:
-            state = ar_step(self.target, params, carry.state, sampling, criteria)
-            return carry.replace(state=state, counters=counters)
+            state = ar_step(self.target, params, slots.state, sampling, criteria)
+            return carry.replace(slots=slots.replace(state=state), counters=counters)
         state, drafter_state, metrics = spec_step(
-            self.target, params, self.drafter, drafter_params, carry.state, carry.drafter_state,
-            carry.metrics, sampling, criteria)
-        return carry.replace(state=state, drafter_state=drafter_state, metrics=metrics,
-                             counters=counters)
+            self.target, params, self.drafter, drafter_params, slots.state, slots.drafter_state,
+            slots.metrics, sampling, criteria)
+        return carry.replace(slots=slots.replace(state=state, drafter_state=drafter_state,
+                                                 metrics=metrics), counters=counters)
 
-    def run(self, params, drafter_params, queue: PromptQueue, cache: KVCache,
-            sampling: SamplingParams, criteria: StopCriteria, drafter_carry):
-        """(ChunkOutputs, SlotCounters, the drafter's carry) of a whole queue."""
-        drafter, policy = self.drafter, self.policy
-        state = empty_slots(cache, queue.tokens.shape[1], self.width)
-        batch = state.done.shape[0]
-        drafter_state = None if drafter is None else drafter.resume(
-            drafter.init(drafter_params, batch, self.width), drafter_carry)
-        depth = None if drafter is None else drafter.tree.max_depth
+    def run(self, params, drafter_params, queue: PromptQueue, slots: Slots,
+            sampling: SamplingParams, criteria: StopCriteria, last):
+        """(ChunkOutputs, SlotCounters, Slots) of one call over `queue`."""
+        policy, batch = self.policy, slots.prompt.shape[0]
+        width = slots.state.tokens.shape[1]
+        depth = None if self.drafter is None else self.drafter.tree.max_depth
         zero = jnp.zeros((), jnp.int32)
-        carry = RefillCarry(
-            state=state, drafter_state=drafter_state,
-            metrics=None if drafter is None else SpecMetrics.zeros(batch, depth),
-            slot_prompt=jnp.full((batch,), -1, jnp.int32), next_prompt=zero,
-            outputs=empty_outputs(queue.capacity, self.width, depth),
-            counters=SlotCounters(zero, zero, zero, zero),
-        )
+        carry = RefillCarry(slots=slots, next_prompt=zero,
+                            outputs=empty_outputs(queue.capacity + batch, width, depth),
+                            counters=SlotCounters(zero, zero, zero, zero))
 
         def refill(rows, c):
             return self.refill_pass(rows, params, drafter_params, queue, c, sampling, criteria)
@@ -286,34 +328,36 @@ class Decoder:
             return jax.lax.while_loop(lambda c: wants_refill(c, queue, policy),
                                       lambda c: refill(policy.rows, c), c)
 
-        if policy.rows < batch:  # every slot is free: the first prompts start as one batch
-            carry = refill(batch, carry)
+        if policy.rows < batch:  # every slot free (a job's start): the prompts start as one batch
+            carry = jax.lax.cond(jnp.all(carry.slots.state.done) & (queue.size > 0),
+                                 lambda c: refill(batch, c), lambda c: c, carry)
 
         def body(c):
             return self.decode_step(params, drafter_params, fill(c), sampling, criteria)
 
-        carry = jax.lax.while_loop(
-            lambda c: jnp.any(~c.state.done) | (c.next_prompt < queue.size), body, carry)
+        carry = jax.lax.while_loop(lambda c: keeps_running(c, queue, last), body, carry)
         carry = harvest(carry)
-        out_carry = () if drafter is None else drafter.carry(carry.drafter_state)
-        return carry.outputs, carry.counters, out_carry
+        return carry.outputs, carry.counters, carry.slots
 
 
 def run_refill(target: TargetModel, params, drafter, drafter_params, queue: PromptQueue,
-               cache: KVCache, sampling: SamplingParams, criteria: StopCriteria, drafter_carry=(),
-               *, width: int, policy: RefillPolicy = RefillPolicy()):
-    """Every prompt of `queue` decoded in the B slots of `cache` (B rows, capacity >= width),
-    refilling slots as rows end, as ONE XLA program (`refill_program`).
+               slots: Slots, sampling: SamplingParams, criteria: StopCriteria, last=True, *,
+               policy: RefillPolicy = RefillPolicy()):
+    """The prompts of `queue` decoded in `slots` (`start_slots`, or an earlier call's), refilling
+    slots as rows end, as ONE XLA program (`refill_program`).
 
     target: static, a `TargetModel` or a ModelConfig; drafter: static, None for plain decoding;
-    width W: the token buffer per slot, >= P + max(max_new) (+ the tree's nodes + 1 when
-    speculating); cache: the slots' cache, only its shape and dtype matter (not donated: the
-    program returns no cache); drafter_carry: the drafter's job-level state (donated).
-    Returns (ChunkOutputs `[Q, ...]`, SlotCounters, the drafter's carry for the next chunk).
+    the slots' buffer width W must hold P + max(max_new) (+ the tree's nodes + 1 when
+    speculating), for the rows still running in them too; slots: donated. last: `[]` bool,
+    True when no queue follows: the call runs until every row has ended; False: it stops once
+    the queue is empty and a slot is free, the running rows carried to the next call.
+    Returns (ChunkOutputs `[Q + B, ...]` of the rows that ended, SlotCounters, the slots).
     """
-    return Decoder(target, drafter, policy, width).run(params, drafter_params, queue, cache,
-                                                       sampling, criteria, drafter_carry)
+    return Decoder(target, drafter, policy).run(params, drafter_params, queue, slots, sampling,
+                                                criteria, jnp.asarray(last, bool))
 
 
-refill_program = jax.jit(run_refill, static_argnames=("target", "drafter", "width", "policy"),
-                         donate_argnames=("drafter_carry",))
+slots_program = jax.jit(start_slots, static_argnames=("drafter", "width"),
+                        donate_argnames=("cache", "drafter_carry"))
+refill_program = jax.jit(run_refill, static_argnames=("target", "drafter", "policy"),
+                         donate_argnames=("slots",))

@@ -115,3 +115,83 @@ def test_unknown_model_is_a_clear_error(tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompts", prompts]) == 2
     assert "missing.gguf" in capsys.readouterr().err
+
+
+def test_skip_bad_rows_leaves_them_out_with_their_line(tiny_dir, tmp_path, capsys):
+    """--skip-bad-rows: each bad row logged with its line and reason, the others generated."""
+    rows = [{"prompt": "ok one"}, "{not json", {"prompt": " "}, {"id": 7, "prompt": "word " * 3000},
+            {"id": 0, "prompt": "a duplicate of line 1's id"}, {"prompt": "ok two", "max_new_tokens": 0},
+            {"prompt": "ok three"}]
+    prompts = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert _generate(tiny_dir, prompts, out, "--skip-bad-rows") == 0
+    err = capsys.readouterr().err
+    skipped = [line for line in err.splitlines() if line.startswith("specjax: skipped ")]
+    for message in ("in.jsonl:2: not valid JSON", "in.jsonl:3: the prompt is empty",
+                    "in.jsonl:4: the prompt has", "in.jsonl:5: id 0 is also the id of",
+                    "in.jsonl:6: max_new_tokens must be an integer >= 1"):
+        assert any(message in line for line in skipped), message
+    assert len(skipped) == 5
+    assert [r["id"] for r in _read_jsonl(out)] == [0, 6]
+    assert _generate(tiny_dir, prompts, out, "--skip-bad-rows", "--resume") == 0
+    assert "resume: 2 of 3 rows already in" in capsys.readouterr().err  # line 4 is skipped again
+    assert [r["id"] for r in _read_jsonl(out)] == [0, 6]
+    assert _generate(tiny_dir, prompts, tmp_path / "strict.jsonl") == 2  # without it: stops
+    assert not (tmp_path / "strict.jsonl").exists() or not _read_jsonl(tmp_path / "strict.jsonl")
+
+
+def test_rows_give_their_own_max_new_tokens(tiny_dir, tmp_path):
+    rows = [{"prompt": "hello world", "max_new_tokens": 2}, {"prompt": "the cat"},
+            {"prompt": "one more row", "max_new_tokens": 9}]
+    out, longest = tmp_path / "out.jsonl", tmp_path / "longest.jsonl"
+    prompts = _write_jsonl(tmp_path / "in.jsonl", rows)
+    assert _generate(tiny_dir, prompts, out) == 0  # --max-new-tokens 6 where a row gives none
+    whole = _write_jsonl(tmp_path / "whole.jsonl", [{"prompt": r["prompt"]} for r in rows])
+    assert _generate(tiny_dir, whole, longest, "--max-new-tokens", "9") == 0
+    for row, limit, reference in zip(_read_jsonl(out), (2, 6, 9), _read_jsonl(longest)):
+        assert row["token_ids"] == reference["token_ids"][:limit]  # greedy: a prefix of the longest
+        assert row["num_new_tokens"] == limit or row["stop_reason"] == "eos"
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import specjax.cli.generate as generate
+calls = []
+def append_rows(fd, rows, path):  # the second chunk's write: one row, half a line, killed
+    calls.append(1)
+    if len(calls) < 2:
+        return real(fd, rows, path)
+    real(fd, rows[:1], path)
+    os.write(fd, generate.json.dumps(rows[1])[:25].encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+real, generate.append_rows = generate.append_rows, append_rows
+from specjax.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_job_killed_mid_chunk_resumes_to_the_same_rows(tiny_dir, tmp_path):
+    """Killed while writing a chunk's rows (a torn last line), then --resume: every id exactly
+    once, each row the same as an uninterrupted run's."""
+    import subprocess
+    import sys
+
+    rows = [{"prompt": f"row {i} " + "word " * (i % 5)} for i in range(40)]
+    prompts = _write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ["generate", "--model", tiny_dir, "--prompts", prompts, "--max-new-tokens", "6",
+            "--batch-size", "2"]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*args, "--out", str(whole)]) == 0
+    out = tmp_path / "out.jsonl"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, *args, "--out", str(out)],
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    text = out.read_text()
+    assert not text.endswith("\n")  # the torn line
+    written = len(text.splitlines()) - 1
+    assert 0 < written < len(rows)
+    assert main([*args, "--out", str(out), "--resume"]) == 0
+    resumed = _read_jsonl(out)
+    assert sorted(r["id"] for r in resumed) == list(range(len(rows)))
+    expected = {r["id"]: r["token_ids"] for r in _read_jsonl(whole)}
+    assert all(r["token_ids"] == expected[r["id"]] for r in resumed)

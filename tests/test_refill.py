@@ -26,7 +26,7 @@ from specjax.drafters.registry import make_drafter
 from specjax.loop import STOP_REASONS, StopCriteria
 from specjax.metrics import row_summaries
 from specjax.models.llama import init_params
-from specjax.refill import PromptQueue, RefillPolicy, refill_program
+from specjax.refill import PromptQueue, RefillPolicy, refill_program, slots_program
 from specjax.rng import job_row_keys, seed_key
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
@@ -65,14 +65,20 @@ def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLO
     keys = job_row_keys(seed_key(seed), list(range(len(prompts))))
     queue = PromptQueue.build(prompts, max_new, keys, capacity, PROMPT_WIDTH)
     carry = () if drafter is None else drafter.init_carry(dparams)
+    start = slots_program(drafter, dparams, as_target(CFG).init_cache(slots, width), carry,
+                          width=width)
     out, counters, _ = refill_program(
-        CFG, params(), drafter, dparams, queue, as_target(CFG).init_cache(slots, width),
-        sampling or SamplingParams.make(0.0), StopCriteria.make(eos, ()), carry,
-        width=width, policy=policy)
+        CFG, params(), drafter, dparams, queue, start, sampling or SamplingParams.make(0.0),
+        StopCriteria.make(eos, ()), True, policy=policy)
     out, counters = jax.device_get((out, counters))
-    rows = [(out.tokens[i, len(p): out.num_tokens[i]].tolist(), STOP_REASONS[int(out.stop_reason[i])])
-            for i, p in enumerate(prompts)]
-    spec = None if out.metrics is None else row_summaries(out.metrics, len(prompts))
+    assert int(out.count) == len(prompts) and sorted(out.prompt[: len(prompts)]) == list(range(len(prompts)))
+    row = {int(j): i for i, j in enumerate(out.prompt[: len(prompts)])}  # job index -> output entry
+    rows = [(out.tokens[row[j], len(p): out.num_tokens[row[j]]].tolist(),
+             STOP_REASONS[int(out.stop_reason[row[j]])]) for j, p in enumerate(prompts)]
+    spec = None
+    if out.metrics is not None:
+        summaries = row_summaries(out.metrics, len(prompts))
+        spec = [summaries[row[j]] for j in range(len(prompts))]
     return rows, types.SimpleNamespace(**vars(counters), spec=spec)
 
 
@@ -205,25 +211,55 @@ def test_sampled_rows_are_the_same_at_every_batch_size(spec):
 
 
 def test_the_api_runs_chunks_through_refilled_slots():
-    """generate_ids refills by default: one program per chunk (compiled once for the job's
-    shapes), every row the same as static batches, the chunk's slot counters in its rows' times."""
+    """generate_ids refills by default: one program for every chunk of the job, the slots (and
+    the rows still running in them) carried from one call to the next, every row the same as
+    static batches, each call's slot counters in its rows' times."""
     prompts, _ = ragged_job(20, seed=3)
     static = generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3], batch_size=2,
                           refill=False)
     before = refill_program._cache_size()
-    chunks = list(iter_generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3],
-                                    batch_size=2))
-    assert [start for start, _ in chunks] == [0, 16]  # chunks of up to 8 x 2 slots
-    assert refill_program._cache_size() == before + 1  # the last, shorter chunk: same program
-    refilled = [r for _, rows in chunks for r in rows]
+    runs = list(iter_generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3],
+                                  batch_size=2))
+    assert refill_program._cache_size() == before + 1  # both calls (16 prompts, then 4): one program
+    starts = [start for start, _ in runs]
+    assert starts[0] == 0 and starts == sorted(starts)  # in prompt order, consecutive
+    refilled = [r for _, rows in runs for r in rows]
     assert [(r.token_ids, r.stop_reason) for r in refilled] == [
         (r.token_ids, r.stop_reason) for r in static]
-    slots = refilled[0].times.slots
-    assert slots.slots == 2 and slots.prefilled == 16 and slots.refills == 15  # 2 at once, then 1s
-    assert 0 < slots.busy_slot_steps <= slots.slot_steps
+    calls = {r.times.batch: r.times.slots for r in refilled}
+    assert sorted(calls) == [0, 1] and all(s.slots == 2 for s in calls.values())
+    assert calls[0].prefilled == 16 and calls[1].prefilled == 4
+    assert calls[0].refills == 15  # all slots at once, then one prompt per pass
+    assert len(runs[0][1]) < 16  # a row of the first chunk still ran when its queue emptied
+    assert all(0 < s.busy_slot_steps <= s.slot_steps for s in calls.values())
     stats = job_stats(refilled)
     assert stats.chunks == 2 and stats.new_tokens == sum(len(r.token_ids) for r in static)
     assert "slots" in stats.line() and "refills/chunk" in stats.line()
+
+
+def test_unordered_runs_hold_every_row_once():
+    """ordered=False yields each call's ended rows at once, as runs of consecutive prompts."""
+    prompts, _ = ragged_job(20, seed=3)
+    ordered = generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3], batch_size=2)
+    runs = list(iter_generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3],
+                                  batch_size=2, ordered=False))
+    got = {start + j: r.token_ids for start, rows in runs for j, r in enumerate(rows)}
+    assert sorted(got) == list(range(len(prompts)))
+    assert sum(len(rows) for _, rows in runs) == len(prompts)
+    assert [got[i] for i in range(len(prompts))] == [r.token_ids for r in ordered]
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_max_new_tokens_per_prompt(refill):
+    """max_new_tokens may be one int per prompt: each row as if it ran alone with its own."""
+    prompts, max_new = ragged_job(7, seed=4)
+    rows = generate_ids(CFG, params(), prompts, max_new_tokens=max_new, eos_ids=[], batch_size=4,
+                        refill=refill)
+    assert [(r.token_ids, r.stop_reason) for r in rows] == expected(prompts, max_new)
+    with pytest.raises(ValueError, match="max_new_tokens has 2 values for 7 prompts"):
+        generate_ids(CFG, params(), prompts, max_new_tokens=[3, 4])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\] must be an integer >= 1"):
+        generate_ids(CFG, params(), prompts, max_new_tokens=[3, 0, 1, 1, 1, 1, 1])
 
 
 def test_refill_must_be_a_bool():

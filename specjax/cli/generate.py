@@ -44,9 +44,16 @@ from specjax.sharding import spans_processes
 from specjax.timing import JobStats, job_stats
 
 
+def skip_row(message: str) -> None:
+    """--skip-bad-rows: a bad row is logged (its file:line and the problem) and left out."""
+    print(f"specjax: skipped {message}", file=sys.stderr)
+
+
 def generate_rows(args) -> list[dict]:
-    """The prompt rows of --prompt or --prompts."""
+    """The prompt rows of --prompt or --prompts (with --skip-bad-rows, the good ones)."""
     if args.prompt is None:
+        if args.skip_bad_rows:
+            return unique_rows(read_prompts(args.prompts, on_bad=skip_row))
         return read_prompts(args.prompts)
     if not args.prompt.strip():
         raise InputError("--prompt is empty")
@@ -70,6 +77,43 @@ def rows_to_generate(rows: list[dict], args) -> list[dict]:
     if len(todo) < len(rows):
         print(f"resume: {len(rows) - len(todo)} of {len(rows)} rows already in {args.out}", file=sys.stderr)
     return todo
+
+def unique_rows(rows: list[dict]) -> list[dict]:
+    """--skip-bad-rows: rows whose id an earlier row has are logged and left out."""
+    first_seen: dict = {}
+    kept = []
+    for row in rows:
+        if row["id"] in first_seen:
+            skip_row(f"{row['where']}: id {row['id']!r} is also the id of {first_seen[row['id']]}")
+            continue
+        first_seen[row["id"]] = row["where"]
+        kept.append(row)
+    return kept
+
+
+def row_limits(rows: list[dict], args) -> int | list[int]:
+    """--max-new-tokens, or each row's own max_new_tokens where a row gives one."""
+    if not any("max_new_tokens" in r for r in rows):
+        return args.max_new_tokens
+    return [r.get("max_new_tokens", args.max_new_tokens) for r in rows]
+
+
+def fitting_rows(rows: list[dict], model, drafter, schedule, args) -> list[dict]:
+    """--skip-bad-rows: the rows the model can run (`api.text_prompt_problems`); the others
+    (empty once tokenized, too long for the model's context with their max_new_tokens and
+    the draft) are logged and left out."""
+    trees = [drafter.tree] if drafter is not None else []
+    if schedule is not None:
+        trees += [entry.shape.tree_spec for entry in schedule.entries]
+    margin = max([api.draft_margin(t) for t in trees] or [0])
+    problems = api.text_prompt_problems(model, [r["prompt"] for r in rows],
+                                        max_new_tokens=row_limits(rows, args),
+                                        chat=not args.no_chat, margin=margin)
+    for row, problem in zip(rows, problems):
+        if problem is not None:
+            skip_row(f"{row['where']}: the prompt {problem}")
+    return [r for r, problem in zip(rows, problems) if problem is None]
+
 
 def id_list(ids: Sequence, limit: int = 20) -> str:
     shown = ", ".join(map(repr, ids[:limit]))
@@ -128,17 +172,22 @@ def cmd_generate(args) -> int:
     owned_ids = {r["id"] for r in owned}
     model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
     drafter, drafter_params = make_draft(args, tree, model)
+    if args.skip_bad_rows:
+        todo = fitting_rows(todo, model, drafter, schedule, args)
+        if not todo:
+            return 0
     out_fd = open_output(args.out) if args.out else None
     stats, spec_rows, error_ids = JobStats(), [], []
     try:
         bar = progress_bar(total=len(todo), desc="generate", unit="prompt")
         batches = api.iter_generate(
-            model, [r["prompt"] for r in todo], max_new_tokens=args.max_new_tokens,
+            model, [r["prompt"] for r in todo], max_new_tokens=row_limits(todo, args),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop=args.stop, chat=not args.no_chat, batch_size=args.batch_size, draft=drafter,
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
             prompt_ids=[r["id"] for r in todo],
             schedule=schedule, mesh=mesh, refill=not args.no_refill,
+            ordered=out_fd is None,  # a file takes each chunk's rows as they end (ids tell them apart)
         )
         for first, gens in batches:
             records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)
@@ -181,6 +230,10 @@ def add_parser(sub) -> None:
                      "(or batch, with --no-refill) finishes (default: completions printed on stdout)")
     gen.add_argument("--resume", action="store_true",
                      help="skip ids already in --out (a torn or corrupt line is regenerated)")
+    gen.add_argument("--skip-bad-rows", action="store_true",
+                     help="leave out a bad --prompts row (not JSON, no prompt, a duplicate id, "
+                     "empty or too long for the model once tokenized) with its line and reason "
+                     "on stderr (default: the first bad row stops the job before any work)")
     gen.add_argument("--no-refill", action="store_true",
                      help="static batches, each run to its slowest row (default: continuous "
                      "batching: chunks of up to 8 x --batch-size prompts, a batch slot taking "

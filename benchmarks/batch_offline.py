@@ -18,9 +18,12 @@ SmolLM2-135M (f32, greedy, CPU). Two workloads over Spec-Bench first turns (chat
 (b) `long_tail`: EOS off, each row's max_new drawn log-uniformly in [--tail LO, HI] (seeded),
 so a batch's rows end at very different steps.
 Modes per (workload, drafter, B): `static` (the API's static batches: `loop.generate_program` /
-`spec_generate_program` per batch of B in file order, rows padded to the batch's buckets) and
-one `refill:RxK` per refill policy (`refill.refill_program` over chunks of up to 8·B prompts, R
-rows per refill pass, refill when K slots are free). Every program is built (compiled, or
+`spec_generate_program` per batch of B in file order, rows padded to the batch's buckets), one
+`refill:RxK` per refill policy (`api.run_chunks`: `refill.refill_program` over chunks of up to
+8·B prompts, the slots carried from call to call, R rows per refill pass, refill when K slots
+are free) and, with the ar rows of --hf-workloads, `hf`: Hugging Face transformers' padded
+batched greedy `generate` over the same batches of B (left-padded, the same GGUF in f32; needs
+the `hf` extra; a row's tokens count up to its first EOS). Every program is built (compiled, or
 found compiled) before it runs and only its run is timed (compile excluded); the modes take
 turns in a rotating order --repeats times; medians are reported.
 Slot utilisation = busy slot-steps / (decoding steps · B) (static: each row is busy from its
@@ -31,18 +34,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from specjax.api import batch_bucket, bucket, chunk_capacity, draft_margin
+from specjax.api import batch_bucket, bucket, draft_margin, run_chunks
 from specjax.drafters.registry import make_drafter
 from specjax.loop import StopCriteria, generate_program, spec_generate_program
 from specjax.metrics import job_summary, row_summaries
 from specjax.models.hub import load_model
-from specjax.refill import PromptQueue, RefillPolicy, refill_program
+from specjax.refill import PromptQueue, RefillPolicy
 from specjax.rng import job_row_keys, seed_key
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
@@ -102,33 +107,70 @@ def static_run(model, drafter, dparams, prompts, max_new, eos, batch_size):
 
 def refill_run(model, drafter, dparams, prompts, max_new, eos, batch_size, policy):
     """(run seconds, new tokens, busy slot-steps, slot-steps, spec rows, refills) through
-    refilled slots (run seconds: the programs' runs, each built before it runs)."""
-    cfg, params = model.cfg, model.params
+    refilled slots (`api.run_chunks`: chunks of up to 8·B prompts, the slots carried from one
+    call to the next; run seconds: the calls' runs, each built before it runs)."""
     keys = job_row_keys(seed_key(0), list(range(len(prompts))))
     sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(eos, ())
-    capacity = chunk_capacity(batch_size, len(prompts))
-    seconds = new = busy = slot_steps = refills = 0
-    spec_rows = []
-    carry = () if drafter is None else drafter.init_carry(dparams)
-    for start in range(0, len(prompts), capacity):
-        chunk = prompts[start: start + capacity]
-        limit = max_new[start: start + len(chunk)]
-        width_p = bucket(max(len(p) for p in chunk))
-        width = width_p + bucket(max(limit)) + draft_margin(None if drafter is None else drafter.tree)
-        queue = PromptQueue.build(chunk, limit, keys[start: start + len(chunk)], capacity, width_p)
-        (out, counters, carry), _, run_s = build_and_run(
-            refill_program, cfg, params, drafter, dparams, queue,
-            as_target(cfg).init_cache(batch_size, width), sampling, criteria, carry, width=width,
-            policy=policy)
-        seconds += run_s
-        out, counters = jax.device_get((out, counters))
-        new += int(np.sum(out.num_tokens[: len(chunk)] - np.asarray([len(p) for p in chunk])))
-        busy += int(counters.busy_slot_steps)
-        slot_steps += int(counters.decode_steps) * batch_size
-        refills += int(counters.refills)
-        if out.metrics is not None:
-            spec_rows += row_summaries(out.metrics, len(chunk))
+    seconds = busy = slot_steps = refills = 0
+    rows = {}
+    calls = run_chunks(model.cfg, model.params, prompts, max_new_tokens=max_new, sampling=sampling,
+                       criteria=criteria, row_keys=keys, batch_size=batch_size, drafter=drafter,
+                       drafter_params=dparams,
+                       drafter_carry=() if drafter is None else drafter.init_carry(dparams),
+                       policy=policy)
+    for ended in calls:
+        rows.update(ended)
+        times = next(iter(ended.values())).times
+        seconds += times.run_s
+        busy += times.slots.busy_slot_steps
+        slot_steps += times.slots.slot_steps
+        refills += times.slots.refills
+    assert sorted(rows) == list(range(len(prompts)))
+    new = sum(len(r.token_ids) for r in rows.values())
+    spec_rows = [rows[i].spec for i in range(len(prompts))] if drafter is not None else []
     return seconds, new, busy, slot_steps, spec_rows, refills
+
+
+def hf_run(hf, prompts, max_new, eos, batch_size):
+    """(run seconds, new tokens, 0, 0, []) of Hugging Face transformers' padded batched greedy `generate`
+    over batches of batch_size prompts (left-padded; a row's new tokens end at its first EOS)."""
+    import torch  # the optional hf extra, only this mode needs it
+
+    seconds = new = 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        begin = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(max_new[start: start + len(chunk)]),
+                              do_sample=False, eos_token_id=list(eos) or None, pad_token_id=0)
+        seconds += time.perf_counter() - begin
+        for row in out[:, width:].tolist():
+            ends = [j for j, t in enumerate(row) if t in eos]
+            new += ends[0] + 1 if ends else len(row)
+    return seconds, new, 0, 0, []
+
+
+def load_hf(model):
+    """The same GGUF checkpoint in transformers (f32, eval), or None without the hf extra."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = Path(model.source)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # warm-up, as the specjax modes' programs are built before they run
+        hf.generate(torch.ones((2, 8), dtype=torch.long), max_new_tokens=4, do_sample=False,
+                    pad_token_id=0)
+    return hf
 
 
 def parse_policy(text: str) -> RefillPolicy:
@@ -149,11 +191,15 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["long_tail", "spec_bench"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-workloads", nargs="*", default=["spec_bench"],
+                        help="workloads that also run transformers' padded batched generate (the "
+                        "'hf' extra; with the ar rows)")
     parser.add_argument("--out", help="JSON results")
     args = parser.parse_args(argv)
 
     model = load_model("smollm2-135m", dtype="float32")
     loads = workloads(model.tokenizer, args)
+    hf = load_hf(model) if args.hf_workloads else None
     drafters = {name: (None, None) if name == "ar" else
                 make_drafter(name, tree=chain(4), target=model, target_cfg=model.cfg,
                              target_params=model.params) for name in args.drafts}
@@ -166,6 +212,8 @@ def main(argv=None) -> int:
                 modes = {"static": functools.partial(static_run, *job)}
                 for text in args.policies:
                     modes[f"refill:{text}"] = functools.partial(refill_run, *job, parse_policy(text))
+                if hf is not None and name == "ar" and workload in args.hf_workloads:
+                    modes["hf"] = functools.partial(hf_run, hf, prompts, max_new, eos, batch_size)
                 times, outcome, order = {mode: [] for mode in modes}, {}, list(modes)
                 for repeat in range(args.repeats):
                     for mode in order[repeat % len(order):] + order[: repeat % len(order)]:

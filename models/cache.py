@@ -63,13 +63,18 @@ class KVCache:
 def empty_cache(
     num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
-    """An all-zero cache (lengths 0) of the given sizes."""
+    """An all-zero cache (lengths 0) of the given sizes.
+
+    Inside a jitted program the zeros pass through an optimization barrier: XLA would otherwise
+    see a constant cache and constant-fold the attention over its (masked) entries, element by
+    element at compile time (measured: 7.6 s of a 28 s refill program's compile on SmolLM2, B=8).
+    """
     dtype = jnp.dtype(dtype)
-    return KVCache(
+    return jax.lax.optimization_barrier(KVCache(
         k=jnp.zeros((num_layers, batch_size, num_kv_heads, head_dim, capacity), dtype),
         v=jnp.zeros((num_layers, batch_size, num_kv_heads, capacity, head_dim), dtype),
         lengths=jnp.zeros((batch_size,), jnp.int32),
-    )
+    ))
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:

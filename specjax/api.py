@@ -458,10 +458,14 @@ def run_batch(
     else:  # the job-level part of the drafter's state (a selection: no computation)
         state, metrics, drafter_state = finished
         drafter_carry = drafter.carry(drafter_state)
-    out_tokens, num_tokens, reasons, metrics = fetch(
-        (state.tokens, state.num_tokens, state.stop_reason, metrics)
+    out_tokens, num_tokens, reasons, steps, metrics = fetch(
+        (state.tokens, state.num_tokens, state.stop_reason, state.step, metrics)
     )
-    times = BatchTimes(batch, start_compile_s + finish_compile_s, prefill_s, decode_s)
+    real = slice(0, len(prompts))
+    busy = (metrics.steps[real] if metrics is not None  # a row runs from its first step to its last
+            else np.maximum(num_tokens[real] - lengths - 1, 0))  # AR: one token per step after prefill
+    slot_stats = SlotStats(shape.rows, int(steps), int(np.sum(busy)), 0, len(prompts))
+    times = BatchTimes(batch, start_compile_s + finish_compile_s, prefill_s, decode_s, slot_stats)
     spec = row_summaries(metrics, len(prompts)) if metrics is not None else None
     results = [
         TokenResult(

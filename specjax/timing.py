@@ -8,11 +8,13 @@ returns the two times apart; `job_stats` sums a job's rows into the line `specja
 prints: `compiled in 24.1 s; 65 tokens in 1.92 s (33.9 tokens/s; prefill 0.21 s, decode
 1.71 s)`.
 
+Every batch counts what its rows' slots did (`SlotStats`: busy slot-steps / all slot-steps is
+the slot utilisation; a static batch's row is busy from its first decoding step to its last).
 A refilling job (`specjax.refill`: continuous batching inside one program per chunk of
 prompts) cannot time prefill apart from decode inside its program: its chunk's run time is
-decode_s (prefill_s 0), and `SlotStats` counts what the slots did instead; the job's line then
-ends with the slot utilisation (busy slot-steps / all slot-steps), the refills per chunk and the
-prefill passes' share of the program's steps (refill passes / (refill passes + decode steps)).
+decode_s (prefill_s 0); the job's line then ends with the slot utilisation, the refills per
+chunk and the prefill passes' share of the program's steps (refill passes / (refill passes +
+decode steps)); a static job's with its prefill and decode seconds and the slot utilisation.
 """
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class SlotStats:
-    """What the B slots of one refilling chunk did (`specjax.refill.SlotCounters` on the host)."""
+    """What the B slots of one batch did: a refilling chunk's `specjax.refill.SlotCounters` on
+    the host, or a static batch's (refills 0)."""
 
     slots: int  # B
     decode_steps: int  # decoding steps over all B slots
     busy_slot_steps: int  # slot-steps of running rows
-    refills: int  # refill passes (each one prefill of the policy's rows)
+    refills: int  # refill passes (each one prefill of the policy's rows); 0: a static batch
     prefilled: int  # prompts started
 
     @property
@@ -46,7 +49,7 @@ class BatchTimes:
     compile_s: float  # building its programs (tracing + compiling, or loading them from the cache)
     prefill_s: float  # the prompts' forward and each row's first token
     decode_s: float  # every later token (a refilling chunk: its whole run, prefills included)
-    slots: SlotStats | None = None  # a refilling chunk's slot counters (None: a static batch)
+    slots: SlotStats | None = None  # the batch's slot counters (None: not counted)
 
     @property
     def run_s(self) -> float:
@@ -62,11 +65,11 @@ class JobStats:
     compile_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    slot_steps: int = 0  # refilling chunks only (`SlotStats`): all slot-steps,
+    slot_steps: int = 0  # the batches' `SlotStats`: all slot-steps,
     busy_slot_steps: int = 0  # the busy ones,
     refills: int = 0  # refill passes,
     decode_steps: int = 0  # decoding steps
-    chunks: int = 0  # and the chunks they ran in
+    chunks: int = 0  # refilling chunks (calls; 0: static batches only)
 
     def __add__(self, other: JobStats) -> JobStats:
         return JobStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -82,7 +85,7 @@ class JobStats:
 
     @property
     def slot_utilisation(self) -> float:
-        """Busy slot-steps / all slot-steps of the refilling chunks (0 without any)."""
+        """Busy slot-steps / all slot-steps (0 without any)."""
         return self.busy_slot_steps / self.slot_steps if self.slot_steps else 0.0
 
     @property
@@ -92,15 +95,17 @@ class JobStats:
         return self.refills / steps if steps else 0.0
 
     def line(self) -> str:
-        """`compiled in C s; N tokens in T s (R tokens/s; prefill P s, decode D s)`, or for a
-        refilling job `(R tokens/s; slots U% busy, F refills/chunk, prefill S% of steps)`."""
+        """`compiled in C s; N tokens in T s (R tokens/s; prefill P s, decode D s[, slots U%
+        busy])`, or for a refilling job `(R tokens/s; slots U% busy, F refills/chunk, prefill S%
+        of steps)`."""
         head = (f"compiled in {self.compile_s:.1f} s; {self.new_tokens} tokens in {self.run_s:.2f} s "
                 f"({self.tokens_per_s:.1f} tokens/s; ")
         if self.chunks:
             return head + (f"slots {self.slot_utilisation:.0%} busy, "
                            f"{self.refills / self.chunks:.1f} refills/chunk, "
                            f"prefill {self.prefill_step_share:.0%} of steps)")
-        return head + f"prefill {self.prefill_s:.2f} s, decode {self.decode_s:.2f} s)"
+        slots = f", slots {self.slot_utilisation:.0%} busy" if self.slot_steps else ""
+        return head + f"prefill {self.prefill_s:.2f} s, decode {self.decode_s:.2f} s{slots})"
 
 
 def job_stats(results: Iterable) -> JobStats:
@@ -118,7 +123,7 @@ def job_stats(results: Iterable) -> JobStats:
         busy_slot_steps=sum(s.busy_slot_steps for s in slots),
         refills=sum(s.refills for s in slots),
         decode_steps=sum(s.decode_steps for s in slots),
-        chunks=len(slots),
+        chunks=sum(1 for s in slots if s.refills),
     )
 
 

@@ -272,3 +272,15 @@ def test_the_refilling_job_line():
                      refills=6, decode_steps=10, chunks=2)
     assert stats.line() == ("compiled in 3.0 s; 90 tokens in 2.00 s (45.0 tokens/s; slots 90% "
                             "busy, 3.0 refills/chunk, prefill 38% of steps)")
+
+
+def test_static_batches_count_their_slots():
+    """A static batch's slots: a row is busy from its first decoding step to its last, the batch
+    runs to its slowest row (padding rows idle throughout)."""
+    rows = generate_ids(CFG, params(), [[1, 2], [3], [4, 5, 6]], max_new_tokens=[1, 5, 9],
+                        eos_ids=[], batch_size=4, refill=False)
+    slots = rows[0].times.slots
+    assert (slots.slots, slots.decode_steps, slots.busy_slot_steps, slots.refills) == (4, 8, 12, 0)
+    stats = job_stats(rows)
+    assert stats.chunks == 0 and stats.slot_utilisation == 12 / 32
+    assert stats.line().endswith(", slots 38% busy)")

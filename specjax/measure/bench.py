@@ -36,7 +36,10 @@ JSON report (schema "specjax.bench", version 1; keys are stable, new keys may be
       "ttft_s": {"median", "mean"} over batches (a batch's first tokens arrive together),
       "compile_s": seconds building the mode's programs (the warm-up's: timed runs build none),
       "prefill_s", "decode_s": the full runs' two programs, summed over batches
-                               (time_s = prefill_s + decode_s)
+                               (time_s = prefill_s + decode_s),
+      "prefill_share": prefill_s / (prefill_s + decode_s),
+      "slot_utilisation": busy slot-steps / all slot-steps of the full runs' static batches
+                          (a row is busy from its first decoding step to its last)
     }
     ACCEPTANCE (vLLM definitions, `specjax.metrics.summarize`) = {
       "steps", "drafted", "accepted", "acceptance_length" (AL = 1 + accepted / steps),
@@ -298,6 +301,8 @@ def mode_stats(rec: ModeRecord) -> dict:
         "compile_s": rec.stats.compile_s,
         "prefill_s": rec.stats.prefill_s,
         "decode_s": rec.stats.decode_s,
+        "prefill_share": rec.stats.prefill_s / rec.stats.run_s if rec.stats.run_s else 0.0,
+        "slot_utilisation": rec.stats.slot_utilisation,  # busy slot-steps / all (static batches)
     }
 
 

@@ -270,6 +270,16 @@ def random_inputs(rng, *, batch, seq, group, kv_heads, head_dim, capacity, dtype
     )
 
 
+def poison_padding(inputs):
+    """`random_inputs` with every cached key / value past its row's length set to NaN: the
+    kernels must never let them reach an output."""
+    q, k_new, v_new, k_cache, v_cache, lengths, tree_mask = inputs
+    past = np.arange(v_cache.shape[2])[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
+    k_cache = jnp.where(jnp.asarray(past)[:, None, None, :], jnp.nan, k_cache)
+    v_cache = jnp.where(jnp.asarray(past)[:, None, :, None], jnp.nan, v_cache)
+    return q, k_new, v_new, k_cache.astype(q.dtype), v_cache.astype(q.dtype), lengths, tree_mask
+
+
 def tiny_tokenizer() -> Tokenizer:
     tokens, types, merges = tiny_vocab()
     metadata = {

@@ -4,6 +4,7 @@ chi-square test of the statistical checks, and loading a benchmarks/ script as a
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -35,8 +36,10 @@ def load_benchmark(name: str):
     return module
 
 def tiny_config(**overrides) -> ModelConfig:
-    """A 2-layer GQA model, vocab 64, f32."""
+    """A 2-layer GQA model, vocab 64, f32. Its attention_impl is $SPECJAX_TEST_ATTENTION_IMPL
+    when set (benchmarks/gpu_suite.sh runs the greedy tests through the Pallas kernel)."""
     base = dict(
+        attention_impl=os.environ.get("SPECJAX_TEST_ATTENTION_IMPL", "auto"),
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False,
         eos_token_ids=(1,), name="tiny",

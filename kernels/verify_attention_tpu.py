@@ -25,14 +25,15 @@ enter as a scalar-prefetch operand (SMEM): the K/V index maps clamp the block in
 row's last valid block, and the pipeline skips a copy whose block index did not change, so
 blocks past a row's length are never read from HBM (a row of length 0 reads one block, whose
 compute is skipped). What that costs against a manual DMA loop: ~0.35 µs of grid-step
-overhead per skipped block (S / block_k steps per row and head), small with block_k = 512.
+overhead per skipped block (S / block_k steps per row and head), small with block_k = 2048
+(a block is consumed chunk_k = 512 keys at a time, keeping the f32 score tile small).
 A manual loop would also need its own prologue/epilogue and buffer-slot bookkeeping, with no
 bandwidth to gain for this access pattern (contiguous blocks, one stream per program).
 
-Blocks: block_k is a multiple of 128 (lanes of the key block); a cache shorter than 128 is
+Blocks: block_k and chunk_k are multiples of 128 (lanes of the key block); a cache shorter than 128 is
 zero-padded to 128 (tiny). A cache whose capacity is not a multiple of block_k ends in a
 partial block: its out-of-range part is undefined on TPU (NaN in interpret mode), and the
-tail block masks both the scores and the value rows past the length, so nothing leaks.
+chunk holding the length masks both the scores and the value rows past it, so nothing leaks.
 New tokens: handled in the last KV step, as one more block of Tp = T rounded up to 128 keys
 under the row-expanded tree mask (int32), transposed like the cache (`[Dh, Tp]`); their
 non-finite poison and zeroed values are computed on the XLA side (tiny).
@@ -72,7 +73,8 @@ class TpuTiling:
 
     block_q: int  # query rows per tile (multiple of 16)
     row_blocks: int  # tiles per (row, KV head): ceil(G·T / block_q)
-    block_k: int  # cached keys per K/V block (multiple of 128)
+    block_k: int  # cached keys per copied K/V block (a multiple of chunk_k)
+    chunk_k: int  # keys per softmax step inside a block (multiple of 128)
     kv_blocks: int  # ceil(S / block_k): the streamed grid axis
     new_block: int  # Tp: new keys per row, padded to a multiple of 128
 
@@ -83,21 +85,27 @@ class TpuTiling:
 
 
 def plan_tpu_tiling(
-    seq: int, group: int, capacity: int, *, block_q: int | None = None, block_k: int = 512
+    seq: int, group: int, capacity: int, *, block_q: int | None = None, block_k: int = 2048,
+    chunk_k: int = 512,
 ) -> TpuTiling:
     """Block sizes for T new tokens, group G and a cache of `capacity` (≥ 128, see `kernel_capacity`).
 
-    Default block_q: all G·T rows in one tile (≤ 1024 rows in practice: a 1024 × 512 f32 score
-    block is 2 MiB of VMEM, inside the default scoped limit with double-buffered K/V).
+    block_k keys are copied per grid step: large, since each step costs ~0.35 µs of fixed
+    overhead and a 2048-key bf16 K+V block (Dh 128) is 1 MiB, ~1.3 µs of HBM time on a v5e.
+    They are consumed chunk_k keys at a time, so the f32 score tile stays `[block_q, chunk_k]`
+    (2 MiB at 1024 rows). Default block_q: all G·T rows in one tile.
     """
-    if block_k < LANES or block_k % LANES:
-        raise ValueError(f"block_k must be a positive multiple of {LANES}, got {block_k}")
+    for name, size in (("block_k", block_k), ("chunk_k", chunk_k)):
+        if size < LANES or size % LANES:
+            raise ValueError(f"{name} must be a positive multiple of {LANES}, got {size}")
     rows = round_up(group * seq, ROW_MULTIPLE)
     block_q = rows if block_q is None else min(rows, round_up(max(1, block_q), ROW_MULTIPLE))
     block_k = min(block_k, capacity // LANES * LANES)  # a block never exceeds the cache
+    chunk_k = min(chunk_k, block_k)
+    block_k = block_k // chunk_k * chunk_k
     return TpuTiling(
         block_q=block_q, row_blocks=-(-group * seq // block_q), block_k=block_k,
-        kv_blocks=-(-capacity // block_k), new_block=round_up(seq, LANES),
+        chunk_k=chunk_k, kv_blocks=-(-capacity // block_k), new_block=round_up(seq, LANES),
     )
 
 
@@ -149,6 +157,25 @@ def _attend_block(scratch, q, k, v, scale: float, mask=None, key_bias=None):
     )
 
 
+def _attend_chunk(scratch, q, k_ref, v_ref, block_start, chunk: int, length, scale, size: int):
+    """Keys [c0, c0 + size) of the block in k_ref `[Dh, block_k]` / v_ref `[block_k, Dh]`,
+    c0 = block_start + chunk·size: unmasked when all are below `length`, masked (scores
+    replaced, values zeroed) when `length` falls inside, skipped when none is below it."""
+    lo = block_start + chunk * size
+    cols = slice(chunk * size, (chunk + 1) * size)
+
+    @pl.when(lo + size <= length)
+    def _full():
+        _attend_block(scratch, q, k_ref[:, cols], v_ref[cols, :], scale)
+
+    @pl.when(jnp.logical_and(lo < length, length < lo + size))
+    def _tail():  # keys past the length (or past the cache: undefined memory) are masked
+        valid_cols = lo + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) < length
+        valid_rows = lo + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) < length
+        v = jnp.where(valid_rows, v_ref[cols, :], jnp.zeros((), v_ref.dtype))
+        _attend_block(scratch, q, k_ref[:, cols], v, scale, mask=valid_cols)
+
+
 def _verify_kernel(
     len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, mask_ref, o_ref, m_ref, l_ref,
     acc_ref, *, scale: float, tiling: TpuTiling,
@@ -172,18 +199,8 @@ def _verify_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    start = j * block_k
-
-    @pl.when(start + block_k <= length)
-    def _full_block():  # every key valid: no mask
-        _attend_block(scratch, q, k_ref[...], v_ref[...], scale)
-
-    @pl.when(jnp.logical_and(start < length, length < start + block_k))
-    def _tail_block():  # keys past the length (or past the cache) are masked, values zeroed
-        valid_cols = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < length
-        valid_rows = start + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length
-        v = jnp.where(valid_rows, v_ref[...], jnp.zeros((), v_ref.dtype))
-        _attend_block(scratch, q, k_ref[...], v, scale, mask=valid_cols)
+    for chunk in range(block_k // tiling.chunk_k):  # static: unrolled, static ref slices
+        _attend_chunk(scratch, q, k_ref, v_ref, j * block_k, chunk, length, scale, tiling.chunk_k)
 
     @pl.when(j == tiling.kv_blocks - 1)
     def _new_tokens_and_store():
@@ -293,7 +310,9 @@ def new_token_operands(k_new: jax.Array, v_new: jax.Array, new_block: int):
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_q", "block_k", "chunk_k", "interpret")
+)
 def verify_attention(
     q: jax.Array,
     k_new: jax.Array,
@@ -305,7 +324,8 @@ def verify_attention(
     *,
     scale: float | None = None,
     block_q: int | None = None,
-    block_k: int = 512,
+    block_k: int = 2048,
+    chunk_k: int = 512,
     interpret=None,
 ) -> jax.Array:
     """Verify attention by the Mosaic TPU kernel; same contract as `verify_attention_reference`.
@@ -316,7 +336,8 @@ def verify_attention(
         `[B, T, T]` bool.
       scale: softmax scale, default Dh ** -0.5.
       block_q: query rows per tile (default: all G·T rows in one tile).
-      block_k: cached keys per streamed block (a multiple of 128).
+      block_k: cached keys per streamed (double-buffered) block; chunk_k: keys per softmax
+        step inside it (multiples of 128; see `plan_tpu_tiling`).
       interpret: default: True unless on TPU; or a `pltpu.InterpretParams`.
 
     Returns:
@@ -333,7 +354,9 @@ def verify_attention(
         k_cache = pad_axis(k_cache, 2, dim)
     if kv_len != capacity:
         k_cache, v_cache = pad_axis(k_cache, 3, kv_len), pad_axis(v_cache, 2, kv_len)
-    tiling = plan_tpu_tiling(seq, group, kv_len, block_q=block_q, block_k=block_k)
+    tiling = plan_tpu_tiling(
+        seq, group, kv_len, block_q=block_q, block_k=block_k, chunk_k=chunk_k
+    )
     keys, values, bias = new_token_operands(k_new, v_new, tiling.new_block)
     tiles = verify_tiles(
         pack_queries(q, kv_heads, tiling.rows),

@@ -48,12 +48,13 @@ def assert_matches_reference(inputs, dtype, **kernel_args):
 CASES = [
     (1, 1, 64, 40, [0, 37], jnp.float32, {}),  # cache shorter than 128: zero-padded
     (3, 3, 64, 300, [0, 300, 129], jnp.float32, {"block_k": 128}),
+    (2, 4, 128, 1100, [1100, 700, 260], jnp.float32, {"block_k": 512, "chunk_k": 128}),
     (4, 16, 128, 200, [5, 200], jnp.float32, {"block_k": 128, "block_q": 32}),
     (8, 33, 64, 150, [150, 0, 97], jnp.bfloat16, {"block_k": 128}),
     (4, 3, 128, 1000, [999, 1, 190], jnp.bfloat16, {}),
     (2, 5, 80, 260, [3, 259], jnp.float32, {"block_k": 128}),  # head_dim padded to 128
     (16, 64, 64, 70, [0, 70], jnp.float32, {}),  # the largest G and T: 1024 rows, one tile
-    (2, 2, 64, 33000, [32999], jnp.float32, {"block_k": 2048}),  # a 32K context
+    (2, 2, 64, 33000, [32999], jnp.float32, {}),  # a 32K context, default blocks
 ]
 
 
@@ -115,14 +116,18 @@ def test_nonfinite_new_token_reaches_only_its_descendants():
 
 def test_tiling_plans():
     one = vt.plan_tpu_tiling(32, 4, 32768)  # the target: 128 rows in one tile
-    assert (one.block_q, one.row_blocks, one.block_k, one.kv_blocks, one.new_block) == (
-        128, 1, 512, 64, 128
-    )
+    assert (one.block_q, one.row_blocks, one.new_block) == (128, 1, 128)
+    assert (one.block_k, one.chunk_k, one.kv_blocks) == (2048, 512, 16)
     tall = vt.plan_tpu_tiling(64, 16, 4096, block_q=256)
     assert (tall.block_q, tall.row_blocks, tall.rows) == (256, 4, 1024)
-    assert vt.plan_tpu_tiling(3, 3, 300, block_k=512).block_k == 256  # never past the cache
-    with pytest.raises(ValueError, match="multiple of 128"):
+    short = vt.plan_tpu_tiling(3, 3, 300)  # never past the cache
+    assert (short.block_k, short.chunk_k, short.kv_blocks) == (256, 256, 2)
+    odd = vt.plan_tpu_tiling(1, 1, 5000, block_k=1280, chunk_k=512)  # block: whole chunks
+    assert (odd.block_k, odd.chunk_k) == (1024, 512)
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
         vt.plan_tpu_tiling(1, 1, 1024, block_k=64)
+    with pytest.raises(ValueError, match="chunk_k must be"):
+        vt.plan_tpu_tiling(1, 1, 1024, chunk_k=100)
 
 
 def test_lengths_beyond_capacity_are_clamped_under_jit():

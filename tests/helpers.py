@@ -25,13 +25,16 @@ from specjax.tree import TreeSpec
 
 
 def load_benchmark(name: str):
-    """A script of benchmarks/ (not a package) as a module."""
+    """A script of benchmarks/ (not a package) as a module (registered in sys.modules while it
+    runs: dataclasses defined in it look their module up there)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -172,7 +172,8 @@ def _attend_chunk(scratch, q, k_ref, v_ref, block_start, chunk: int, length, sca
     def _tail():  # keys past the length (or past the cache: undefined memory) are masked
         valid_cols = lo + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) < length
         valid_rows = lo + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) < length
-        v = jnp.where(valid_rows, v_ref[cols, :], jnp.zeros((), v_ref.dtype))
+        v = v_ref[cols, :]  # the select in f32 (v5e has no bf16 VPU), on the tail chunk only
+        v = jnp.where(valid_rows, v.astype(jnp.float32), 0.0).astype(v.dtype)
         _attend_block(scratch, q, k_ref[:, cols], v, scale, mask=valid_cols)
 
 
@@ -211,13 +212,15 @@ def _verify_kernel(
         o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
 
 
-def _last_block(length, block_k: int):
-    """Index of the last K/V block holding a key of a row of `length` (0 for an empty row).
+def kv_block_index(j, length, block_k: int):
+    """The K/V block grid step j copies for a row of `length`: j, clamped to the last block
+    holding one of its keys (0 for an empty row). A step whose block index repeats the previous
+    one copies nothing, so no block past a row's length is read from HBM.
 
     `lax.div` (truncating; length ≥ 0): jnp's floor division lowers through `sign`, which Mosaic
     lowers per TPU generation and so cannot lower off a TPU.
     """
-    return jnp.maximum(jax.lax.div(length + block_k - 1, block_k) - 1, 0)
+    return jnp.minimum(j, jnp.maximum(jax.lax.div(length + block_k - 1, block_k) - 1, 0))
 
 
 def verify_tiles(
@@ -254,7 +257,7 @@ def verify_tiles(
     new_block = k_new_t.shape[3]
 
     def kv_index(b, h, r, j, lens):
-        return jnp.minimum(j, _last_block(lens[b], t.block_k))
+        return kv_block_index(j, lens[b], t.block_k)
 
     in_specs = [
         pl.BlockSpec((None, None, t.block_q, head_dim), lambda b, h, r, j, lens: (b, h, r, 0)),
@@ -372,6 +375,7 @@ __all__ = [
     "TpuTiling",
     "kernel_capacity",
     "kernel_head_dim",
+    "kv_block_index",
     "new_token_operands",
     "plan_tpu_tiling",
     "verify_attention",

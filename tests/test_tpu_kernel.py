@@ -130,6 +130,15 @@ def test_tiling_plans():
         vt.plan_tpu_tiling(1, 1, 1024, chunk_k=100)
 
 
+def test_kv_blocks_past_a_length_are_never_fetched():
+    """The K/V index maps: steps past a row's last block repeat it (the pipeline then skips the
+    copy), so a row reads ceil(length / block_k) blocks, one for an empty row."""
+    steps = jnp.arange(8)
+    for length, last in ((0, 0), (1, 0), (128, 0), (129, 1), (1000, 7), (5000, 7)):
+        index = np.asarray(vt.kv_block_index(steps, jnp.int32(length), 128))
+        np.testing.assert_array_equal(index, np.minimum(np.arange(8), last))
+
+
 def test_lengths_beyond_capacity_are_clamped_under_jit():
     rng = np.random.default_rng(11)
     inputs = random_inputs(

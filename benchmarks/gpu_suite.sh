@@ -65,9 +65,9 @@ else
               tests/test_learned_drafters.py::test_greedy_equals_plain_greedy
               tests/test_one_call_api.py::test_every_form_of_draft_is_greedy_exact)
   GREEDY_IMPL=pallas
-  VA_ARGS=(--budget-s 110)
+  VA_ARGS=(--budget-s 100)
   SS_ARGS=(--batch-sizes 1,16 --draft-lengths 1,3,7)
-  BUDGETS=(120 150 150 150)  # 570 s of parts, inside 10 minutes with the setup
+  BUDGETS=(110 140 140 140)  # 530 s of parts: inside 10 minutes with the setup
   VA_RESULT=gpu_verify_attention.md SS_RESULT=gpu_spec_system.json
 fi
 
@@ -96,6 +96,8 @@ FAILED=0
 if [ "$DRY" = 0 ]; then
   if ! "$PY" -c "import specjax" 2>/dev/null; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu_suite.sh: cannot install specjax" >&2; exit 1; }
+    MISSING=$("$PY" -c "import specjax" 2>&1 | grep -o "No module named '[^']*'")
+    [ -z "$MISSING" ] || { echo "gpu_suite.sh: $MISSING: carry its wheel (see the header)" >&2; exit 1; }
   fi
   DEVICE=$("$PY" -c "import jax; d = jax.devices()[0]; print(f'{jax.default_backend()}: {getattr(d, \"device_kind\", d)}, jax {jax.__version__}')" 2>&1 | tail -1)
   if [ "$SMOKE" = 0 ] && [[ "$DEVICE" != gpu:* ]]; then

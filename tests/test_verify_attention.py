@@ -183,4 +183,4 @@ def test_lowers_to_triton_for_gpu(batch, seq, group, head_dim, capacity, dtype, 
         if "cuda" in str(exc).lower() and "platform" in str(exc).lower():
             pytest.skip(f"no CUDA lowering in this jaxlib: {exc}")
         raise
-    assert "__gpu" in lowered.as_text()  # the Triton custom call
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()  # the Triton custom call

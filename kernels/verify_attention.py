@@ -48,6 +48,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax.kernels.reference import MASKED_SCORE, finite_or_zero, nonfinite_poison
+from specjax.kernels.tiling import (
+    expand_tree_mask,
+    mxu_dot,
+    next_pow2,
+    pack_queries,
+    pad_axis,
+    prev_pow2,
+    unpack_rows,
+)
 
 MIN_DOT = 16  # Triton's dot needs every dimension ≥ 16
 SM_TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200 (132 SMs): the split heuristic's aim
@@ -56,14 +65,6 @@ SM_TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200 (132 SMs): the split h
 # ---------------------------------------------------------------------------------------------
 # Static tiling
 # ---------------------------------------------------------------------------------------------
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def prev_pow2(n: int) -> int:
-    return 1 << max(0, int(n).bit_length() - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,56 +129,8 @@ def triton_compiler_params(num_warps: int, num_stages: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout helpers (XLA side; all small next to the cache)
-# ---------------------------------------------------------------------------------------------
-
-
-def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    """Zero-pads `axis` of x up to `size`."""
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
-def pack_queries(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
-    """q `[B, T, KVH·G, Dh]` -> tiles `[B, KVH, Rp, Dh]`, row r = t·G + g, zero rows past G·T."""
-    batch, seq, heads, dim = q.shape
-    group = heads // kv_heads
-    tiles = q.reshape(batch, seq, kv_heads, group, dim).transpose(0, 2, 1, 3, 4)
-    return pad_axis(tiles.reshape(batch, kv_heads, seq * group, dim), 2, rows)
-
-
-def unpack_rows(tiles: jax.Array, seq: int, group: int) -> jax.Array:
-    """tiles `[B, KVH, Rp, Dh]` -> `[B, T, KVH·G, Dh]` (inverse of `pack_queries`)."""
-    batch, kv_heads, _, dim = tiles.shape
-    rows = tiles[:, :, : seq * group].reshape(batch, kv_heads, seq, group, dim)
-    return rows.transpose(0, 2, 1, 3, 4).reshape(batch, seq, kv_heads * group, dim)
-
-
-def expand_tree_mask(tree_mask: jax.Array, group: int, rows: int, new_block: int) -> jax.Array:
-    """tree_mask `[B, T, T]` -> int8 `[B, Rp, Tp]`: row r = t·G + g gets token t's mask row.
-
-    Padded rows and padded key columns are 0 (masked).
-    """
-    expanded = jnp.repeat(tree_mask.astype(jnp.int8), group, axis=1)  # [B, T·G, T]
-    return pad_axis(pad_axis(expanded, 1, rows), 2, new_block)
-
-
-# ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
-
-
-def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
-    """a `[M, K]` · b (`[N, K]` if contract_b == 1 else `[K, N]`) -> `[M, N]` f32 accumulate.
-
-    f32 inputs use HIGHEST precision (IEEE on Triton; its default would be TF32).
-    """
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(
-        a, b, (((1,), (contract_b,)), ((), ())),
-        precision=precision, preferred_element_type=jnp.float32,
-    )
 
 
 def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool, key_poison=None):
@@ -189,7 +142,7 @@ def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool, key_
     key_poison: None or `[Nk]` f32, 0 or NaN (`nonfinite_poison`), added to the keys' scores.
     """
     acc, m_prev, l_prev = state
-    scores = _dot(q, k, 0 if keys_by_column else 1) * scale  # [Mq, Nk] f32
+    scores = mxu_dot(q, k, 0 if keys_by_column else 1) * scale  # [Mq, Nk] f32
     if key_poison is not None:
         scores = scores + key_poison[None, :]
     if mask is not None:
@@ -199,7 +152,7 @@ def _attend_block(state, q, k, v, scale: float, mask, keys_by_column: bool, key_
     if mask is not None:  # a fully masked row has m_next == MASKED_SCORE: exp(0) must not count
         probs = jnp.where(mask, probs, 0.0)
     correction = jnp.exp(m_prev - m_next)
-    acc = acc * correction[:, None] + _dot(probs.astype(v.dtype), v, 0)
+    acc = acc * correction[:, None] + mxu_dot(probs.astype(v.dtype), v, 0)
     return acc, m_next, l_prev * correction + probs.sum(axis=1)
 
 
@@ -440,6 +393,7 @@ __all__ = [
     "combine_splits",
     "default_k_splits",
     "expand_tree_mask",
+    "pad_axis",
     "pack_queries",
     "plan_tiling",
     "unpack_rows",

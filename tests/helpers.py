@@ -4,6 +4,7 @@ chi-square test of the statistical checks, and loading a benchmarks/ script as a
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -24,19 +25,24 @@ from specjax.tree import TreeSpec
 
 
 def load_benchmark(name: str):
-    """A script of benchmarks/ (not a package) as a module."""
+    """A script of benchmarks/ (not a package) as a module (registered in sys.modules while it
+    runs: dataclasses defined in it look their module up there)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 def tiny_config(**overrides) -> ModelConfig:
-    """A 2-layer GQA model, vocab 64, f32."""
+    """A 2-layer GQA model, vocab 64, f32. Its attention_impl is $SPECJAX_TEST_ATTENTION_IMPL
+    when set (benchmarks/gpu_suite.sh runs the greedy tests through the Pallas kernel)."""
     base = dict(
+        attention_impl=os.environ.get("SPECJAX_TEST_ATTENTION_IMPL", "auto"),
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False,
         eos_token_ids=(1,), name="tiny",
@@ -268,6 +274,16 @@ def random_inputs(rng, *, batch, seq, group, kv_heads, head_dim, capacity, dtype
         jnp.asarray(lengths, jnp.int32),
         jnp.asarray(random_tree_mask(rng, batch, seq)),
     )
+
+
+def poison_padding(inputs):
+    """`random_inputs` with every cached key / value past its row's length set to NaN: the
+    kernels must never let them reach an output."""
+    q, k_new, v_new, k_cache, v_cache, lengths, tree_mask = inputs
+    past = np.arange(v_cache.shape[2])[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
+    k_cache = jnp.where(jnp.asarray(past)[:, None, None, :], jnp.nan, k_cache)
+    v_cache = jnp.where(jnp.asarray(past)[:, None, :, None], jnp.nan, v_cache)
+    return q, k_new, v_new, k_cache.astype(q.dtype), v_cache.astype(q.dtype), lengths, tree_mask
 
 
 def tiny_tokenizer() -> Tokenizer:

@@ -6,7 +6,7 @@
 or token ids, and returns text; `generate_ids` works on token ids with any target model
 (`specjax.target.TargetModel`, or a ModelConfig for the built-in Llama) and its params. By
 default both run the prompts in chunks, each ONE program whose batch rows are slots refilled
-with the next prompt as rows end (`run_chunk`, `specjax.refill`); with refill=False they run
+with the next prompt as rows end (`run_chunks`, `specjax.refill`); with refill=False they run
 each static batch as two jitted programs, prefill then decode (`loop.ar_start_program` /
 `ar_finish_program`, or the spec pair: `loop.generate_program` split in two, so the results'
 `times` hold compile, prefill and decode seconds apart), whose shapes are bucketed (2^k or

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import collections
 import functools
 import types
 
@@ -56,30 +57,39 @@ def ragged_job(count: int = 11, seed: int = 0):
 
 
 def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLOTS, eos=(),
-              sampling=None, seed=0, capacity=16):
+              sampling=None, seed=0, capacity=16, chunk=None):
     """[(new tokens, stop reason)] of each prompt through `refill_program`, and its counters
-    (with `.spec`: each prompt's speculative summary, when speculating)."""
+    summed over the calls (with `.spec`: each prompt's speculative summary, when speculating).
+    chunk: prompts per queue (default: all in one); the slots go from call to call."""
     drafter, dparams = draft if draft is not None else (None, None)
     margin = 0 if drafter is None else drafter.tree.num_nodes + 1
     width = PROMPT_WIDTH + MAX_NEW_BUCKET + margin
     keys = job_row_keys(seed_key(seed), list(range(len(prompts))))
-    queue = PromptQueue.build(prompts, max_new, keys, capacity, PROMPT_WIDTH)
     carry = () if drafter is None else drafter.init_carry(dparams)
-    start = slots_program(drafter, dparams, as_target(CFG).init_cache(slots, width), carry,
+    state = slots_program(drafter, dparams, as_target(CFG).init_cache(slots, width), carry,
                           width=width)
-    out, counters, _ = refill_program(
-        CFG, params(), drafter, dparams, queue, start, sampling or SamplingParams.make(0.0),
-        StopCriteria.make(eos, ()), True, policy=policy)
-    out, counters = jax.device_get((out, counters))
-    assert int(out.count) == len(prompts) and sorted(out.prompt[: len(prompts)]) == list(range(len(prompts)))
-    row = {int(j): i for i, j in enumerate(out.prompt[: len(prompts)])}  # job index -> output entry
-    rows = [(out.tokens[row[j], len(p): out.num_tokens[row[j]]].tolist(),
-             STOP_REASONS[int(out.stop_reason[row[j]])]) for j, p in enumerate(prompts)]
-    spec = None
-    if out.metrics is not None:
-        summaries = row_summaries(out.metrics, len(prompts))
-        spec = [summaries[row[j]] for j in range(len(prompts))]
-    return rows, types.SimpleNamespace(**vars(counters), spec=spec)
+    chunk = chunk or len(prompts)
+    ended, totals = {}, collections.Counter()
+    for first in range(0, len(prompts), chunk):
+        part = slice(first, first + chunk)
+        queue = PromptQueue.build(prompts[part], max_new[part], keys[part], capacity, PROMPT_WIDTH,
+                                  first=first)
+        out, counters, state = refill_program(
+            CFG, params(), drafter, dparams, queue, state, sampling or SamplingParams.make(0.0),
+            StopCriteria.make(eos, ()), first + chunk >= len(prompts), policy=policy)
+        out, counters = jax.device_get((out, counters))
+        totals.update({k: int(v) for k, v in vars(counters).items()})
+        summaries = None if out.metrics is None else row_summaries(out.metrics, int(out.count))
+        for i in range(int(out.count)):
+            job_index = int(out.prompt[i])
+            assert job_index not in ended  # every row ends once
+            row = (out.tokens[i, len(prompts[job_index]): out.num_tokens[i]].tolist(),
+                   STOP_REASONS[int(out.stop_reason[i])])
+            ended[job_index] = (row, None if summaries is None else summaries[i])
+    assert sorted(ended) == list(range(len(prompts)))
+    rows = [ended[j][0] for j in range(len(prompts))]
+    spec = None if drafter is None else [ended[j][1] for j in range(len(prompts))]
+    return rows, types.SimpleNamespace(**totals, spec=spec)
 
 
 @functools.cache
@@ -133,6 +143,7 @@ def test_plain_greedy_through_refill_equals_each_prompt_alone(policy):
     prompts, max_new = ragged_job()
     rows, counters = run_queue(prompts, max_new, policy=POLICIES[policy])
     assert rows == expected(prompts, max_new)
+    assert run_queue(prompts, max_new, policy=POLICIES[policy], chunk=3)[0] == rows  # 4 calls
     assert counters.prefilled == len(prompts)
     assert 0 < counters.busy_slot_steps <= counters.decode_steps * SLOTS
 
@@ -155,8 +166,10 @@ def test_rows_ending_at_once_on_eos_and_short_queues():
     ("medusa", "tree"), ("dflash", "chain"), ("dspark", "tree"),
 ])
 def test_speculative_greedy_through_refill_equals_each_prompt_alone(spec, tree_name):
+    """Through three calls (queues of 4 prompts): the slots, their rows and the drafter's state
+    and carry go from call to call."""
     prompts, max_new = ragged_job()
-    rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name))
+    rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name), chunk=4)
     assert rows == expected(prompts, max_new)
     # the first pass fills the SLOTS slots, then one prompt per pass: none skipped
     assert counters.prefilled == len(prompts) and counters.refills == len(prompts) - SLOTS + 1

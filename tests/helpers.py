@@ -14,6 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from scipy import stats
 
+from specjax.kernels.reference import verify_attention_reference
 from specjax.models import hub
 from specjax.models.checkpoint import params_to_hf
 from specjax.models.config import ModelConfig
@@ -284,6 +285,28 @@ def poison_padding(inputs):
     k_cache = jnp.where(jnp.asarray(past)[:, None, None, :], jnp.nan, k_cache)
     v_cache = jnp.where(jnp.asarray(past)[:, None, :, None], jnp.nan, v_cache)
     return q, k_new, v_new, k_cache.astype(q.dtype), v_cache.astype(q.dtype), lengths, tree_mask
+
+
+#: a kernel's tolerance against the reference: max |kernel - reference| / max |reference|
+KERNEL_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def relative_error(out, ref) -> float:
+    """max |out - ref| / max |ref| over the whole output (elementwise relative error means
+    nothing near 0); NaN when out holds a NaN (NaN never compares below a tolerance)."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
+    return float(err) if np.isfinite(out).all() else float("nan")
+
+
+def assert_kernel_matches_reference(kernel, inputs, dtype, **kernel_args):
+    """kernel on NaN-poisoned cache padding (`poison_padding`) against the reference on the
+    clean inputs (the reference trusts cached values to be finite: 0 · NaN would reach it)."""
+    out = kernel(*poison_padding(inputs), **kernel_args)
+    ref = verify_attention_reference(*inputs)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = relative_error(out, ref)
+    assert err <= KERNEL_TOLERANCE[dtype], f"relative error {err} (tolerance {KERNEL_TOLERANCE[dtype]})"
 
 
 def tiny_tokenizer() -> Tokenizer:

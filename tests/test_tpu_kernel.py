@@ -14,7 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import poison_padding, random_inputs, random_tree_mask, tiny_config
+from helpers import (
+    KERNEL_TOLERANCE,
+    assert_kernel_matches_reference,
+    poison_padding,
+    random_inputs,
+    random_tree_mask,
+    relative_error,
+    tiny_config,
+)
 from jax.experimental.pallas import tpu as pltpu
 
 from specjax.kernels import verify_attention_tpu as vt
@@ -22,24 +30,13 @@ from specjax.kernels.reference import verify_attention_reference
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward, init_params
 
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def relative_error(out: jax.Array, ref: jax.Array) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
-    return float(err) if np.isfinite(out).all() else float("nan")
+TOLERANCE = KERNEL_TOLERANCE
 
 
 def assert_matches_reference(inputs, dtype, **kernel_args):
-    """The kernel on NaN-poisoned padding against the reference on the clean inputs (the
-    reference trusts cached values to be finite: 0 · NaN would reach its output)."""
-    interpret = kernel_args.pop("interpret", True)
-    out = vt.verify_attention(*poison_padding(inputs), interpret=interpret, **kernel_args)
-    ref = verify_attention_reference(*inputs)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err} (tolerance {TOLERANCE[dtype]})"
+    """The kernel (interpret mode unless told) against the reference (see helpers)."""
+    kernel_args.setdefault("interpret", True)
+    assert_kernel_matches_reference(vt.verify_attention, inputs, dtype, **kernel_args)
 
 
 # (G, T, head_dim, capacity, lengths, dtype, kernel args): the GPU kernel's cases, with TPU

@@ -12,30 +12,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import poison_padding, random_inputs, random_tree_mask, tiny_config
+from helpers import (
+    KERNEL_TOLERANCE,
+    assert_kernel_matches_reference,
+    random_inputs,
+    random_tree_mask,
+    relative_error,
+    tiny_config,
+)
 
 from specjax.kernels import verify_attention as va
 from specjax.kernels.reference import verify_attention_reference
 from specjax.models.cache import init_cache
 from specjax.models.llama import forward, init_params
 
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def relative_error(out: jax.Array, ref: jax.Array) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
-    return float(err) if np.isfinite(out).all() else float("nan")
+TOLERANCE = KERNEL_TOLERANCE
 
 
 def assert_matches_reference(inputs, dtype, **kernel_args):
-    """The kernel on NaN-poisoned cache padding (`poison_padding`) against the reference on
-    the clean inputs (it trusts cached values to be finite)."""
-    out = va.verify_attention(*poison_padding(inputs), poison=True, **kernel_args)
-    ref = verify_attention_reference(*inputs)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err} (tolerance {TOLERANCE[dtype]})"
+    """The kernel, its outputs starting as NaN (`poison=True`), against the reference (see
+    helpers)."""
+    assert_kernel_matches_reference(va.verify_attention, inputs, dtype, poison=True, **kernel_args)
 
 
 # (G, T, head_dim, capacity, lengths, dtype, kernel args): ragged lengths including 0, the

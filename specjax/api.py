@@ -538,45 +538,87 @@ def run_chunks(
 ) -> Iterator[dict[int, TokenResult]]:
     """Runs a job's prompts through `batch_size` slots refilled as rows end, in chunks of
     `capacity` prompts (default `chunk_capacity`): ONE program call per chunk
-    (`refill.refill_program`), built before it runs; the slots (and rows still running in them)
-    go from one call to the next, so they drain only at the job's end.
+    (`refill.refill_program`), built before it runs. The prompts go in `length_groups` (by the
+    bucket of their length, shortest first, file order within), each group's in slots as wide as
+    its longest prompt needs; within a group the slots (and rows still running in them) go from
+    one call to the next, so they drain only at the group's end; the drafter's job-level carry
+    goes from group to group.
 
     Same arguments as `run_batch` (max_new_tokens: one for all or one per prompt), plus the
     refill policy. Yields, per call, {job index: TokenResult} of the rows that ended in it;
-    their `times` hold the call's compile seconds (the first call's also the slots' start), its
-    whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its `SlotStats`.
-    mesh: as `run_batch`'s (the slots rounded up to a multiple of dp, split over it with the
-    cache; the queue replicated: every device can start any prompt).
+    their `times` hold the call's compile seconds (a group's first call's also its slots'
+    start), its whole run as decode_s (prefill_s 0: prefill runs inside the loop) and its
+    `SlotStats`. mesh: as `run_batch`'s (the slots rounded up to a multiple of dp, split over
+    it with the cache; the queue replicated: every device can start any prompt).
     """
     if drafter is not None:
         drafter.check_target(target)
     limits = row_limits(max_new_tokens, len(prompts))
     capacity = capacity or chunk_capacity(batch_size, len(prompts))
     rows = padded_rows(batch_size, mesh)
-    shape = batch_shape([len(p) for p in prompts], rows, max(limits),
-                        None if drafter is None else drafter.tree)
-    cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
-    slots, start_compile_s, start_s = build_and_run(slots_program, drafter, drafter_params, cache,
-                                                    drafter_carry, width=shape.width)
-    placement = None if mesh is None else jax.tree.map(lambda x: x.sharding, slots)
-    for index, (first, chunk) in enumerate(batches(prompts, capacity)):
-        queue = PromptQueue.build(chunk, limits[first: first + len(chunk)],
-                                  row_keys[first: first + len(chunk)], capacity,
-                                  shape.prompt_width, first=first)
-        if mesh is not None:
-            queue = jax.tree.map(lambda x: put(x, replicated(mesh)), queue)
-        last = first + len(chunk) >= len(prompts)
-        (outputs, counters, slots), compile_s, run_s = build_and_run(
-            refill_program, target, params, drafter, drafter_params, queue, slots, sampling,
-            criteria, last, policy=policy)
-        if placement is not None:  # the next call's slots where the first call's were
-            slots = jax.device_put(slots, placement)
-        outputs, counters = fetch((outputs, counters))
-        slot_stats = SlotStats(rows, *(int(x) for x in (counters.decode_steps, counters.busy_slot_steps,
-                                                        counters.refills, counters.prefilled)))
-        times = BatchTimes(index, compile_s + start_compile_s, 0.0, run_s + start_s, slot_stats)
-        start_compile_s = start_s = 0.0
-        yield chunk_results(outputs, prompts, times)
+    tree = None if drafter is None else drafter.tree
+    calls = 0
+    extra = bucket(max(limits)) + draft_margin(tree)
+    for group in length_groups([len(p) for p in prompts], 2 * rows, extra):
+        shape = batch_shape([len(prompts[i]) for i in group], rows, max(limits), tree)
+        cache = empty_cache_on(mesh, as_target(target), rows, shape.width)
+        slots, start_compile_s, start_s = build_and_run(slots_program, drafter, drafter_params,
+                                                        cache, drafter_carry, width=shape.width)
+        placement = None if mesh is None else jax.tree.map(lambda x: x.sharding, slots)
+        for first in range(0, len(group), capacity):
+            members = group[first: first + capacity]
+            queue = PromptQueue.build([prompts[i] for i in members], [limits[i] for i in members],
+                                      row_keys[members], capacity, shape.prompt_width,
+                                      index=members)
+            if mesh is not None:
+                queue = jax.tree.map(lambda x: put(x, replicated(mesh)), queue)
+            last = first + capacity >= len(group)
+            (outputs, counters, slots), compile_s, run_s = build_and_run(
+                refill_program, target, params, drafter, drafter_params, queue, slots, sampling,
+                criteria, last, policy=policy)
+            if placement is not None:  # the next call's slots where the first call's were
+                slots = jax.device_put(slots, placement)
+            outputs, counters = fetch((outputs, counters))
+            slot_stats = SlotStats(rows, *(int(x) for x in (
+                counters.decode_steps, counters.busy_slot_steps, counters.refills, counters.prefilled)))
+            times = BatchTimes(calls, compile_s + start_compile_s, 0.0, run_s + start_s, slot_stats)
+            start_compile_s = start_s = 0.0
+            calls += 1
+            yield chunk_results(outputs, prompts, times)
+        if drafter is not None:  # the job-level state goes on to the next group's slots
+            drafter_carry = drafter.carry(slots.drafter_state)
+
+
+#: a refilling job's length group takes in the next longer prompts while its slots' width stays
+#: within this factor of what its shortest prompts need (wider slots cost every decoding step)
+GROUP_WIDTH_GROWTH = 1.5
+
+
+def length_groups(lengths: Sequence[int], min_size: int, extra: int = 0) -> list[list[int]]:
+    """The prompts' indices (file order within a group) grouped by the power-of-two bucket of
+    their length, shortest first. A group takes in the next longer bucket while it has fewer
+    than min_size prompts, or while its slots' width (bucket + extra: the max_new_tokens bucket
+    and the draft margin) stays within GROUP_WIDTH_GROWTH of its first bucket's; a small last
+    group joins the one before. A refilling job runs each group in slots of its own width, so
+    a long prompt widens only its group's slots (and their drain is one per group)."""
+    by_bucket: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_bucket.setdefault(batch_bucket(n), []).append(i)
+    groups: list[list[int]] = []
+    pending: list[int] = []
+    base = 0
+    for size in sorted(by_bucket):
+        if pending and len(pending) >= min_size and size + extra > GROUP_WIDTH_GROWTH * (base + extra):
+            groups.append(sorted(pending))
+            pending = []
+        if not pending:
+            base = size
+        pending += by_bucket[size]
+    if pending and len(pending) < min_size and groups:
+        groups[-1] = sorted(groups[-1] + pending)
+    elif pending:
+        groups.append(sorted(pending))
+    return groups
 
 
 def drafter_dtype(dtype: str, target) -> str:

@@ -1,8 +1,8 @@
 """Continuous batching inside the one program: B slots, a queue of prompts, one `while_loop`.
 
 A chunk of a job's prompts goes to the device as a `PromptQueue` (`[Q, P]` right-padded
-tokens, lengths, max_new, per-prompt PRNG keys, how many of the Q entries are real and the job
-index of the first). The loop keeps the B `Slots` busy: each iteration first runs the refill
+tokens, lengths, max_new, per-prompt PRNG keys, how many of the Q entries are real and each
+entry's index in the job). The loop keeps the B `Slots` busy: each iteration first runs the refill
 passes the `RefillPolicy` asks for, then one decoding step (`loop.ar_step`, or `loop.spec_step`
 with a drafter) over all B slots. When every slot is free (a job's first chunk) one pass fills
 all B slots at once (a batch of B rows, as a static batch starts); the other passes
@@ -19,9 +19,10 @@ all B slots at once (a batch of B rows, as a static batch starts); the other pas
    key, cache row and drafter rows; unused pass rows are dropped).
 
 The slots outlive a call: when the queue is empty and a slot is free, a call that is not the
-job's last (`last` False) stops and returns its slots, still running their rows, and the next
-call refills the free ones from the next chunk's queue. So the slots never drain between chunks,
-only at the job's end (the `last` call runs until every row has ended). A row whose first token
+last of its slots (`last` False) stops and returns its slots, still running their rows, and
+the next call refills the free ones from the next chunk's queue. So the slots never drain
+between chunks, only after the `last` call, which runs until every row has ended (the API
+starts new slots for each group of prompts of similar length: `api.run_chunks`). A row whose first token
 ends it (max_new 1, EOS) is harvested by the next pass. A prompt's randomness is its own key
 folded with the tokens it has emitted (`specjax.rng`), so a row samples the same tokens whichever
 slot, chunk, batch size or neighbours it gets, and greedy rows equal a batch of one token for
@@ -73,7 +74,7 @@ class PromptQueue:
     tokens: `[Q, P]` int32 right-padded prompts; lengths `[Q]` int32; max_new `[Q]` int32;
     keys: `[Q, 2]` uint32 each prompt's PRNG key (`specjax.rng.job_row_keys`);
     size: `[]` int32 the real prompts (entries from `size` on are padding, never started);
-    first: `[]` int32 the job index of entry 0 (entry i is the job's prompt first + i).
+    index: `[Q]` int32 each entry's index in the job (its rows are harvested under it).
     """
 
     tokens: jax.Array
@@ -81,7 +82,7 @@ class PromptQueue:
     max_new: jax.Array
     keys: jax.Array
     size: jax.Array
-    first: jax.Array
+    index: jax.Array
 
     @property
     def capacity(self) -> int:
@@ -89,10 +90,10 @@ class PromptQueue:
 
     @classmethod
     def build(cls, prompts, max_new, keys, capacity: int, prompt_width: int,
-              first: int = 0) -> PromptQueue:
+              first: int = 0, index=None) -> PromptQueue:
         """The queue of `len(prompts) <= capacity` token-id prompts (each at most prompt_width
         long), max_new `[N]` ints (or one for all), keys `[N, 2]` uint32, padded to `capacity`
-        entries (host); first: the job index of prompts[0]."""
+        entries (host); their job indices: `index` `[N]`, else first, first + 1, ..."""
         count = len(prompts)
         tokens = np.zeros((capacity, prompt_width), np.int32)
         lengths = np.ones((capacity,), np.int32)
@@ -103,8 +104,10 @@ class PromptQueue:
         max_new_rows[:count] = np.broadcast_to(np.asarray(max_new, np.int32), (count,))
         key_rows = np.zeros((capacity, 2), np.uint32)
         key_rows[:count] = keys
+        job_index = np.full((capacity,), -1, np.int32)
+        job_index[:count] = np.arange(first, first + count) if index is None else index
         return cls(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new_rows),
-                   jnp.asarray(key_rows), jnp.int32(count), jnp.int32(first))
+                   jnp.asarray(key_rows), jnp.int32(count), jnp.asarray(job_index))
 
 
 @struct.dataclass
@@ -284,7 +287,8 @@ class Decoder:
             drafter_state = drafter.refill(drafter_params, drafter_state, fresh, prefill_out, place)
             metrics = put_rows(metrics, SpecMetrics.zeros(rows, drafter.tree.max_depth), place)
         started = jnp.sum(use).astype(jnp.int32)
-        job_index = queue.first + carry.next_prompt + jnp.arange(rows, dtype=jnp.int32)
+        entry = jnp.clip(carry.next_prompt + jnp.arange(rows), 0, queue.capacity - 1)
+        job_index = queue.index[entry]
         counters = carry.counters
         return carry.replace(
             slots=Slots(state=put_rows(slots.state, fresh, place), drafter_state=drafter_state,

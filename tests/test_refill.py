@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
-from specjax.api import generate_ids, iter_generate_ids
+from specjax.api import generate_ids, iter_generate_ids, length_groups
 from specjax.drafters.learned.drafting import drafter_params
 from specjax.drafters.learned.registry import init_head, make_head_config, make_learned_drafter
 from specjax.drafters.registry import make_drafter
@@ -69,7 +69,7 @@ def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLO
     state = slots_program(drafter, dparams, as_target(CFG).init_cache(slots, width), carry,
                           width=width)
     chunk = chunk or len(prompts)
-    ended, totals = {}, collections.Counter()
+    ended, totals, per_call = {}, collections.Counter(), []
     for first in range(0, len(prompts), chunk):
         part = slice(first, first + chunk)
         queue = PromptQueue.build(prompts[part], max_new[part], keys[part], capacity, PROMPT_WIDTH,
@@ -79,6 +79,7 @@ def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLO
             StopCriteria.make(eos, ()), first + chunk >= len(prompts), policy=policy)
         out, counters = jax.device_get((out, counters))
         totals.update({k: int(v) for k, v in vars(counters).items()})
+        per_call.append(int(out.count))
         summaries = None if out.metrics is None else row_summaries(out.metrics, int(out.count))
         for i in range(int(out.count)):
             job_index = int(out.prompt[i])
@@ -89,7 +90,7 @@ def run_queue(prompts, max_new, draft=None, *, policy=POLICIES["one"], slots=SLO
     assert sorted(ended) == list(range(len(prompts)))
     rows = [ended[j][0] for j in range(len(prompts))]
     spec = None if drafter is None else [ended[j][1] for j in range(len(prompts))]
-    return rows, types.SimpleNamespace(**totals, spec=spec)
+    return rows, types.SimpleNamespace(**totals, spec=spec, ended_per_call=per_call)
 
 
 @functools.cache
@@ -143,7 +144,9 @@ def test_plain_greedy_through_refill_equals_each_prompt_alone(policy):
     prompts, max_new = ragged_job()
     rows, counters = run_queue(prompts, max_new, policy=POLICIES[policy])
     assert rows == expected(prompts, max_new)
-    assert run_queue(prompts, max_new, policy=POLICIES[policy], chunk=3)[0] == rows  # 4 calls
+    calls, counters = run_queue(prompts, max_new, policy=POLICIES[policy], chunk=3)  # 4 calls
+    assert calls == rows
+    assert counters.ended_per_call[0] < 3 < counters.ended_per_call[-1]  # rows carried on
     assert counters.prefilled == len(prompts)
     assert 0 < counters.busy_slot_steps <= counters.decode_steps * SLOTS
 
@@ -230,10 +233,16 @@ def test_the_api_runs_chunks_through_refilled_slots():
     prompts, _ = ragged_job(20, seed=3)
     static = generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3], batch_size=2,
                           refill=False)
+    lengths = [len(p) for p in prompts]
+    groups = length_groups(lengths, 4, extra=16)  # 2 x 2 slots; bucket(9) new tokens
+    assert len(groups) == 2 and sum(map(len, groups)) == len(prompts)
     before = refill_program._cache_size()
     runs = list(iter_generate_ids(CFG, params(), prompts, max_new_tokens=9, eos_ids=[3],
                                   batch_size=2))
-    assert refill_program._cache_size() == before + 1  # both calls (16 prompts, then 4): one program
+    compiled = refill_program._cache_size()
+    assert compiled <= before + 2  # at most a program per group's slot shape (one may exist)
+    list(iter_generate_ids(CFG, params(), prompts[::-1], max_new_tokens=9, eos_ids=[3], batch_size=2))
+    assert refill_program._cache_size() == compiled  # the same job's shapes: nothing new
     starts = [start for start, _ in runs]
     assert starts[0] == 0 and starts == sorted(starts)  # in prompt order, consecutive
     refilled = [r for _, rows in runs for r in rows]
@@ -241,9 +250,8 @@ def test_the_api_runs_chunks_through_refilled_slots():
         (r.token_ids, r.stop_reason) for r in static]
     calls = {r.times.batch: r.times.slots for r in refilled}
     assert sorted(calls) == [0, 1] and all(s.slots == 2 for s in calls.values())
-    assert calls[0].prefilled == 16 and calls[1].prefilled == 4
-    assert calls[0].refills == 15  # all slots at once, then one prompt per pass
-    assert len(runs[0][1]) < 16  # a row of the first chunk still ran when its queue emptied
+    assert [calls[i].prefilled for i in range(2)] == [len(g) for g in groups]
+    assert calls[0].refills == len(groups[0]) - 1  # all slots at once, then one prompt per pass
     assert all(0 < s.busy_slot_steps <= s.slot_steps for s in calls.values())
     stats = job_stats(refilled)
     assert stats.chunks == 2 and stats.new_tokens == sum(len(r.token_ids) for r in static)
@@ -297,3 +305,13 @@ def test_static_batches_count_their_slots():
     stats = job_stats(rows)
     assert stats.chunks == 0 and stats.slot_utilisation == 12 / 32
     assert stats.line().endswith(", slots 38% busy)")
+
+
+def test_length_groups():
+    """Prompts grouped by the power-of-two bucket of their length (file order within), a group
+    taking in longer buckets while it is small or its slots' width grows by at most 1.5x."""
+    lengths = [3, 100, 4, 2000, 70, 5, 130, 6, 1500]  # buckets 4, 128, 4, 2048, 128, 8, 256, 8, 2048
+    assert length_groups(lengths, 1) == [[0, 2], [5, 7], [1, 4], [6], [3, 8]]
+    assert length_groups(lengths, 1, extra=512) == [[0, 1, 2, 4, 5, 6, 7], [3, 8]]  # 4..256: 516..768
+    assert length_groups(lengths, 3) == [[0, 2, 5, 7], [1, 3, 4, 6, 8]]  # the small last joins
+    assert length_groups([5] * 4, 8) == [[0, 1, 2, 3]]

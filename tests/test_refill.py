@@ -39,7 +39,8 @@ CFG = tiny_config(vocab_size=VOCAB)
 PROMPT_WIDTH, MAX_NEW_BUCKET = 16, 16
 SLOTS = 4
 CHAIN, TREE = chain(3), k_ary((2, 2, 1), max_nodes=7)
-POLICIES = {"one": RefillPolicy(rows=1, min_free=1), "batch": RefillPolicy(rows=SLOTS, min_free=2)}
+POLICIES = {"one": RefillPolicy(rows=1, min_free=1), "batch": RefillPolicy(rows=SLOTS, min_free=2),
+            "fill": RefillPolicy(rows=1, min_free=1, batch_fill_from=SLOTS)}  # B-row first pass
 
 
 @functools.cache
@@ -172,7 +173,8 @@ def test_speculative_greedy_through_refill_equals_each_prompt_alone(spec, tree_n
     """Through three calls (queues of 4 prompts): the slots, their rows and the drafter's state
     and carry go from call to call."""
     prompts, max_new = ragged_job()
-    rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name), chunk=4)
+    rows, counters = run_queue(prompts, max_new, drafter(spec, tree_name), chunk=4,
+                               policy=POLICIES["fill"])
     assert rows == expected(prompts, max_new)
     # the first pass fills the SLOTS slots, then one prompt per pass: none skipped
     assert counters.prefilled == len(prompts) and counters.refills == len(prompts) - SLOTS + 1
@@ -251,7 +253,7 @@ def test_the_api_runs_chunks_through_refilled_slots():
     calls = {r.times.batch: r.times.slots for r in refilled}
     assert sorted(calls) == [0, 1] and all(s.slots == 2 for s in calls.values())
     assert [calls[i].prefilled for i in range(2)] == [len(g) for g in groups]
-    assert calls[0].refills == len(groups[0]) - 1  # all slots at once, then one prompt per pass
+    assert calls[0].refills == len(groups[0])  # 2 slots (< batch_fill_from): a pass per prompt
     assert all(0 < s.busy_slot_steps <= s.slot_steps for s in calls.values())
     stats = job_stats(refilled)
     assert stats.chunks == 2 and stats.new_tokens == sum(len(r.token_ids) for r in static)

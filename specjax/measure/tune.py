@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket
+from specjax.costmodel import chain_tokens_per_step, throughput  # noqa: F401 (the one cost model)
 from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
@@ -62,18 +63,8 @@ TILE_ROWS = 128
 
 
 # ---------------------------------------------------------------------------------------------
-# The throughput model (pure)
+# The throughput model (pure): `specjax.costmodel`'s formulas, shared with num_draft="auto"
 # ---------------------------------------------------------------------------------------------
-
-
-def throughput(tokens_per_step: float, batch_size: int, t_target: float, t_draft: float) -> float:
-    """E[tokens per step] x B / (T_target(B, 1 + D) + T_draft(B, D)), tokens/s."""
-    return tokens_per_step * batch_size / (t_target + t_draft)
-
-
-def chain_tokens_per_step(joint: Sequence[float], num_draft: int) -> float:
-    """1 + sum of the first D joint acceptances: E[tokens per step] of a chain of D."""
-    return 1.0 + float(sum(joint[:num_draft]))
 
 
 def batch_steps(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], batch_size: int) -> tuple[float, float]:

@@ -18,6 +18,7 @@ from specjax.cli.options import (
     add_sampling_args,
     add_subcommand,
     check_output_path,
+    draft_auto,
     draft_shape,
     int_at_least,
     load_tuned,
@@ -139,6 +140,7 @@ def cmd_generate(args) -> int:
             drafter_params=drafter_params, labels=[r["where"] for r in todo],
             prompt_ids=[r["id"] for r in todo],
             schedule=schedule, mesh=mesh, refill=not args.no_refill,
+            num_draft="auto" if draft_auto(args) else None,
         )
         for first, gens in batches:
             records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)

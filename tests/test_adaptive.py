@@ -127,7 +127,8 @@ def test_sampling_with_auto_matches_plain_sampling(rotate):
         samples += [r.token_ids for r in out]
     stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
-    assert len(histogram(out)) >= 2
+    hist = histogram(out)
+    assert sorted(hist) == (["0", "1", "2"] if rotate else ["2"])  # picked: the cheap long chain
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """num_draft="auto" vs plain decoding vs every static chain length, side by side in one run.
 
     # the reduced run committed in benchmarks/results/adaptive_reduced.json (2 shared CPU cores)
-    python benchmarks/adaptive.py --batch-sizes 1 8 --drafts ngram --rows 1=2 8=8 \
-        --max-new 48 --repeats 2 --out benchmarks/results/adaptive_reduced.json
+    python benchmarks/adaptive.py --batch-sizes 1 8 --drafts ngram --rows 1=1 8=8 \
+        --max-new 32 --repeats 1 --out benchmarks/results/adaptive_reduced.json
     # the issue-15 run (hours on a CPU)
     python benchmarks/adaptive.py --batch-sizes 1 4 8 16 --drafts ngram suffix --rows 1=8 4=8 8=16 16=16 \
         --max-new 128 --repeats 3 --out benchmarks/results/adaptive_full.json

@@ -78,8 +78,8 @@ class AutoDrafter(Drafter):
 
     inner: Drafter | None = None
     lengths: tuple[int, ...] = BASE_LENGTHS
-    prior: float = 0.6  # the estimate before any observation, and where unobserved depths drift
-    decay: float = 0.97  # EMA weight kept per observation
+    prior: float = 0.5  # the estimate before any observation, and where unobserved depths drift
+    decay: float = 0.9  # EMA weight kept per observation
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
 

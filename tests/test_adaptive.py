@@ -260,3 +260,19 @@ def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):
                        batch_size=2)
     assert [r.token_ids for r in out] == plain() and fake_profiler == [2]
     assert histogram(out)
+
+
+# ---- what the metrics and bench report -------------------------------------------------------------
+
+
+def test_job_summaries_sum_the_shape_histograms_and_predictions():
+    from specjax.measure.bench import auto_section
+    from specjax.metrics import job_summary, summarize
+
+    rows = [summarize(4, 6, 3, [2, 1], [2, 1, 1], 8.0, 0.5), summarize(2, 2, 0, [0, 0], [1, 1, 0], 3.0, 0.6)]
+    job = job_summary(rows)
+    assert job["shape_histogram"] == {"0": 3, "1": 2, "2": 1}
+    assert job["predicted_tokens_per_s"] == pytest.approx(11.0 / 1.1)
+    section = auto_section(job, {"decode_tokens_per_s": 5.0})
+    assert section["predicted_over_measured"] == pytest.approx(2.0)
+    assert "shape_histogram" not in summarize(4, 6, 3, [2, 1]) and auto_section(summarize(1, 1, 1, [1]), {}) == {}

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket
-from specjax.costmodel import chain_tokens_per_step, throughput  # noqa: F401 (the one cost model)
+from specjax.costmodel import chain_tokens_per_step, throughput
 from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
@@ -85,8 +85,9 @@ def predict(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], bat
     decode_tokens = sum(max(t - 1, 0) for t in row_tokens)
     e = decode_tokens / row_steps if row_steps else 1.0
     u = row_steps / (batch_size * batch_total) if batch_total else 1.0
+    # E x (B x U) / T: the cost model auto picks with, over the batch's busy rows
     return {"tokens_per_step": e, "utilization": u,
-            "tokens_per_s": decode_tokens / (batch_total * step_s) if batch_total else 0.0}
+            "tokens_per_s": throughput(e, batch_size * u, step_s) if batch_total else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------

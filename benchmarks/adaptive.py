@@ -142,6 +142,9 @@ def main(argv=None) -> int:
                       f"{c['auto_over_plain']:.2f} auto/best {c['auto_over_best_static']:.2f} "
                       f"shapes {c['auto_shape_histogram']} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
+                if args.out:  # every finished cell is kept, should the run be cut short
+                    report["results"][f"{draft}/B={b}"] = {"cells": cells, "overall": overall(cells)}
+                    Path(args.out).write_text(json.dumps(report, indent=1))
             report["results"][f"{draft}/B={b}"] = {"cells": cells, "overall": overall(cells)}
             print(f"{draft} B={b} overall {json.dumps(report['results'][f'{draft}/B={b}']['overall'])}",
                   flush=True)

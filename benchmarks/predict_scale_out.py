@@ -28,7 +28,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from specjax.measure.tune import chain_tokens_per_step, throughput
+from specjax.costmodel import chain_tokens_per_step, throughput
 
 GIB = 1024**3
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.auto_costs import auto_drafter
 from specjax.compile_cache import use_compile_cache
 from specjax.drafters.registry import make_drafter
 from specjax.loop import (
@@ -770,6 +771,8 @@ def id_job(target, params, prompts: list[list[int]], generation: GenerationConfi
                      max_len or target_model.max_position_embeddings, labels, margin)
     params = shard_params(params, mesh, llama_config(target))
     drafter, drafter_params = build_drafter(choice, target, params, model, dtype)
+    if choice.auto and schedule is None:
+        drafter, drafter_params = auto_drafter(target, params, drafter, drafter_params, batch_size)
     return _run_job(
         target, params, prompts, job_row_keys(key, key_ids), batch_size=batch_size,
         drafter=drafter, drafter_params=drafter_params, schedule=schedule, model=model,

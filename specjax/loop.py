@@ -210,13 +210,22 @@ def ar_step(
     target: TargetModel, params, state: DecodeState, sampling: SamplingParams, criteria: StopCriteria
 ) -> DecodeState:
     """One plain decoding step: forward the root token, sample, append."""
+    return ar_step_out(target, params, state, sampling, criteria)[0]
+
+
+def ar_step_out(target: TargetModel, params, state: DecodeState, sampling: SamplingParams,
+                criteria: StopCriteria, hidden_layers: tuple[int, ...] = ()):
+    """`ar_step`, also returning what a drafter learns from it: (state, the sampled tokens
+    `[B]`, the target's ForwardOutput over the root with `hidden_layers`)."""
     positions = state.cache.lengths[:, None]
-    out = as_target(target).forward(params, state.last_token[:, None], positions, state.cache)
+    out = as_target(target).forward(params, state.last_token[:, None], positions, state.cache,
+                                     hidden_layers=hidden_layers)
     next_token = sample_rows(state.next_keys(), out.logits[:, 0], sampling)
     cache = out.cache.advance(jnp.where(state.done, 0, 1))
     state = state.replace(cache=cache, step=state.step + 1)
     ones = jnp.ones_like(state.num_tokens)
-    return append_block(state, next_token[:, None], ones, criteria, logits_finite(out.logits))
+    state = append_block(state, next_token[:, None], ones, criteria, logits_finite(out.logits))
+    return state, next_token, out
 
 
 @functools.partial(
@@ -293,8 +302,21 @@ def spec_step(
     """One speculative step: propose -> verify -> accept -> commit -> append -> drafter update.
 
     Returns (state, drafter_state, metrics). Shapes never change; per-row lengths advance by
-    accepted + 1 (less where EOS / stop / max_new_tokens cuts the block).
+    accepted + 1 (less where EOS / stop / max_new_tokens cuts the block). A drafter that picks
+    its draft shape every step (`num_draft="auto"`, `drafters.auto.AutoDrafter`) runs its own
+    `switched_step`: one `lax.switch` over `fixed_spec_step`s of a few shapes and a plain step.
     """
+    switched_step = getattr(drafter, "switched_step", None)
+    if switched_step is not None:
+        return switched_step(target, params, drafter_params, state, drafter_state, metrics,
+                             sampling, criteria)
+    return fixed_spec_step(target, params, drafter, drafter_params, state, drafter_state, metrics,
+                           sampling, criteria)
+
+
+def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state: DecodeState,
+                    drafter_state, metrics, sampling: SamplingParams, criteria: StopCriteria):
+    """`spec_step` on the drafter's own static tree."""
     tree = drafter.tree
     batch = state.tokens.shape[0]
     propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each

@@ -10,6 +10,12 @@ was accepted. Derived:
   accepted-length histogram[k] = steps that accepted exactly k draft tokens
                               = accepted_per_pos[k-1] - accepted_per_pos[k]  (exact: the
                                 counter at j counts the steps with more than j accepted)
+
+With `num_draft="auto"` (`specjax.drafters.auto`) a row also counts the steps it ran under each
+chain length D = 0..Dmax (`shape_steps`; D = 0: a plain step) and the auto mode's predictions
+for it: `predicted_tokens` (E[tokens per step] of the chosen shape, summed over its steps) and
+`predicted_s` (its share of each step's predicted seconds: T(D) / active rows), so that summed
+over rows, predicted tokens / predicted seconds is the job's predicted tokens/s.
 """
 from __future__ import annotations
 
@@ -27,21 +33,39 @@ class SpecMetrics:
     drafted: jax.Array  # [B] int32
     accepted: jax.Array  # [B] int32
     accepted_per_pos: jax.Array  # [B, Dmax] int32
+    shape_steps: jax.Array  # [B, Dmax + 1] int32 steps under chain length D (auto mode)
+    predicted_tokens: jax.Array  # [B] f32 (auto mode)
+    predicted_s: jax.Array  # [B] f32 (auto mode)
 
     @classmethod
     def zeros(cls, batch_size: int, max_depth: int) -> SpecMetrics:
         zero = jnp.zeros((batch_size,), jnp.int32)
-        return cls(zero, zero, zero, jnp.zeros((batch_size, max_depth), jnp.int32))
+        real = jnp.zeros((batch_size,), jnp.float32)
+        return cls(zero, zero, zero, jnp.zeros((batch_size, max_depth), jnp.int32),
+                   jnp.zeros((batch_size, max_depth + 1), jnp.int32), real, real)
 
     def record(self, active: jax.Array, drafted: jax.Array, accepted: jax.Array) -> SpecMetrics:
         """Adds one step for active rows `[B]`: drafted `[B]`, accepted `[B]` tokens."""
         on = active.astype(jnp.int32)
         depth = jnp.arange(self.accepted_per_pos.shape[1])[None, :]
-        return SpecMetrics(
+        return self.replace(
             steps=self.steps + on,
             drafted=self.drafted + on * drafted,
             accepted=self.accepted + on * accepted,
             accepted_per_pos=self.accepted_per_pos + on[:, None] * (depth < accepted[:, None]),
+        )
+
+    def record_shape(self, active: jax.Array, num_draft: jax.Array, tokens_per_step: jax.Array,
+                     step_s: jax.Array) -> SpecMetrics:
+        """Adds the auto mode's pick of one step for active rows `[B]`: chain length `[]`, its
+        predicted E[tokens per step] `[]` and step seconds `[]` (shared by the active rows)."""
+        on = active.astype(jnp.int32)
+        share = step_s / jnp.maximum(jnp.sum(on), 1)
+        lengths = jnp.arange(self.shape_steps.shape[1])[None, :]
+        return self.replace(
+            shape_steps=self.shape_steps + on[:, None] * (lengths == num_draft),
+            predicted_tokens=self.predicted_tokens + on * tokens_per_step,
+            predicted_s=self.predicted_s + on * share,
         )
 
 
@@ -51,11 +75,25 @@ def length_histogram(steps: int, per_pos: Iterable[int]) -> list[int]:
     return [a - b for a, b in zip(at_least[:-1], at_least[1:])]
 
 
-def summarize(steps: int, drafted: int, accepted: int, per_pos: Iterable[int]) -> dict:
-    """The derived statistics of a set of counters (one row, or a job's sums)."""
+def auto_summary(shape_steps: Iterable[int], predicted_tokens: float, predicted_s: float) -> dict:
+    """The auto mode's part of a summary: {"shape_histogram": {D: steps} of the chain lengths
+    used, "predicted_tokens", "predicted_s", "predicted_tokens_per_s"}; {} when it never ran."""
+    shape_steps = [int(x) for x in shape_steps]
+    if not any(shape_steps):
+        return {}
+    return {"shape_histogram": {str(d): n for d, n in enumerate(shape_steps) if n},
+            "predicted_tokens": float(predicted_tokens), "predicted_s": float(predicted_s),
+            "predicted_tokens_per_s": predicted_tokens / predicted_s if predicted_s > 0 else 0.0}
+
+
+def summarize(steps: int, drafted: int, accepted: int, per_pos: Iterable[int],
+              shape_steps: Iterable[int] = (), predicted_tokens: float = 0.0,
+              predicted_s: float = 0.0) -> dict:
+    """The derived statistics of a set of counters (one row, or a job's sums); with the auto
+    mode's counters, its shape histogram and predictions too (`auto_summary`)."""
     per_pos = [int(x) for x in per_pos]
     previous = [steps] + per_pos[:-1]
-    return {
+    return auto_summary(shape_steps, predicted_tokens, predicted_s) | {
         "steps": int(steps),
         "drafted": int(drafted),
         "accepted": int(accepted),
@@ -72,7 +110,8 @@ def row_summaries(metrics: SpecMetrics, num_rows: int) -> list[dict]:
     """Per-row summaries for the first num_rows rows (host arrays)."""
     m = jax.tree.map(np.asarray, metrics)
     return [
-        summarize(m.steps[i], m.drafted[i], m.accepted[i], m.accepted_per_pos[i])
+        summarize(m.steps[i], m.drafted[i], m.accepted[i], m.accepted_per_pos[i],
+                  m.shape_steps[i], m.predicted_tokens[i], m.predicted_s[i])
         for i in range(num_rows)
     ]
 
@@ -86,7 +125,12 @@ def job_summary(rows: Iterable[dict]) -> dict:
     per_pos = np.zeros(width, np.int64)
     for r in rows:
         per_pos[: len(r["accepted_per_position"])] += r["accepted_per_position"]
+    shapes = np.zeros(width + 1, np.int64)
+    for r in rows:
+        for d, n in r.get("shape_histogram", {}).items():
+            shapes[int(d)] += n
     return summarize(
         sum(r["steps"] for r in rows), sum(r["drafted"] for r in rows),
-        sum(r["accepted"] for r in rows), per_pos,
+        sum(r["accepted"] for r in rows), per_pos, shapes,
+        sum(r.get("predicted_tokens", 0.0) for r in rows), sum(r.get("predicted_s", 0.0) for r in rows),
     )

@@ -16,13 +16,16 @@ from typing import Any
 
 import numpy as np
 
+from specjax.drafters.auto import BASE_LENGTHS
 from specjax.drafters.base import Drafter
 from specjax.drafters.registry import available_drafters, check_spec
 from specjax.rng import KEY_ID_SPACE, raw_key, seed_key
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec, chain, check_num_draft, load_tree
 
-DEFAULT_NUM_DRAFT = 4  # the chain a drafter spec drafts when neither num_draft nor tree is given
+DEFAULT_NUM_DRAFT = 4  # the chain a drafter spec not in AUTO_KINDS drafts by default
+AUTO_KINDS = ("ngram", "suffix")  # drafter kinds whose specs default to num_draft="auto"
+AUTO_MAX_DRAFT = max(BASE_LENGTHS)  # the longest chain auto compiles (the margin it needs)
 
 
 def describe(value) -> str:
@@ -166,6 +169,7 @@ class DraftChoice:
     drafter: Drafter | None = None
     params: Any = None
     tree: TreeSpec | None = None
+    auto: bool = False  # num_draft="auto": the shape picked every step (`drafters.auto`)
 
     @property
     def speculates(self) -> bool:
@@ -195,21 +199,40 @@ def check_drafter(drafter) -> Drafter:
 def draft_choice(draft, num_draft=None, tree=None, drafter_params=None) -> DraftChoice:
     """Checks `draft=` (None, a drafter spec string, a Drafter, or a `(drafter, params)` pair)
     with its shape options; loads nothing. ValueError listing the known drafter kinds when
-    `draft` is none of these or names an unknown kind."""
-    shape = draft_shape(num_draft, tree)
+    `draft` is none of these or names an unknown kind.
+
+    num_draft="auto" (the default for a spec of a kind in AUTO_KINDS given no num_draft / tree)
+    picks the draft shape every step (`drafters.auto`); other kinds default to a chain of
+    DEFAULT_NUM_DRAFT."""
+    auto = isinstance(num_draft, str) and num_draft == "auto"
+    shape = draft_shape(None if auto else num_draft, tree)
     if draft is None:
-        if shape is not None or drafter_params is not None:
+        if shape is not None or drafter_params is not None or auto:
             raise ValueError("num_draft=, tree= and drafter_params= shape a drafter: give draft= too")
         return DraftChoice()
+    if auto and tree is not None:
+        raise ValueError("give num_draft= (a chain, or 'auto') or tree= (a tree), not both")
     if isinstance(draft, str):
         check_spec(draft)
         if drafter_params is not None:
             raise ValueError(f"draft={draft!r} builds its own params: drop drafter_params=")
+        kind = draft.strip().partition(":")[0]
+        if auto and kind not in AUTO_KINDS:
+            raise ValueError(f"num_draft='auto' needs a drafter of kind {' or '.join(AUTO_KINDS)} "
+                             f"(state independent of the draft shape); give num_draft=N for {draft!r}")
+        if shape is None and kind in AUTO_KINDS:
+            return DraftChoice(spec=draft.strip(), tree=chain(AUTO_MAX_DRAFT), auto=True)
         return DraftChoice(spec=draft.strip(), tree=shape or chain(DEFAULT_NUM_DRAFT))
     if isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Drafter):
         if drafter_params is not None:
             raise ValueError("draft=(drafter, params) carries its params: drop drafter_params=")
         draft, drafter_params = draft
+    if isinstance(draft, Drafter) and auto:
+        if not draft.shape_free_state:
+            raise ValueError(f"num_draft='auto' needs a drafter whose state does not depend on its "
+                             f"tree (n-gram, suffix); {draft.name} does not: give num_draft=N")
+        drafter = check_drafter(dataclasses.replace(draft, tree=chain(AUTO_MAX_DRAFT)))
+        return DraftChoice(drafter=drafter, params=drafter_params, tree=drafter.tree, auto=True)
     if isinstance(draft, Drafter):
         drafter = check_drafter(draft if shape is None else dataclasses.replace(draft, tree=shape))
         return DraftChoice(drafter=drafter, params=drafter_params, tree=drafter.tree)

@@ -117,7 +117,7 @@ ID_CASES = [
     # 20 prompt + 8 new + 5 (a chain of 4 drafts and the root) > 32
     ([[1] * 20], {"max_len": 32, "draft": NgramDrafter(tree=chain(4))}, PromptError,
      "with max_new_tokens=8 + 5 for drafting it needs 33 cache entries, more than max_len=32"),
-    ([[1] * 20], {"max_len": 32, "draft": "ngram"}, PromptError, "+ 5 for drafting"),  # chain of 4
+    ([[1] * 20], {"max_len": 32, "draft": "ngram"}, PromptError, "+ 9 for drafting"),  # auto: chains up to 8
     ([[1] * 23], {"max_len": 32, "draft": "ngram", "num_draft": 1}, PromptError, "+ 2 for drafting"),
     ([[1]], {"draft": "ngram", "drafter": NgramDrafter(tree=chain(4))}, ValueError, "give draft= only"),
     ([[1]], {"config": GenerationConfig(stop="x")}, ValueError, "stop strings need the tokenizer"),

@@ -1,6 +1,7 @@
 """`specjax bench`: speculative vs plain decoding per category (JSON report, plots)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from specjax.cli.options import (
@@ -13,6 +14,7 @@ from specjax.cli.options import (
     add_subcommand,
     check_outputs,
     dataset_rows,
+    draft_auto,
     draft_shape,
     mesh_shardings,
     positive_int,
@@ -34,7 +36,8 @@ def cmd_bench(args) -> int:
                                         shardings=mesh_shardings(args)[1])
     drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype)
     report = measure_bench.run_bench(
-        model, rows, drafter, params, run_config(args, model, args.batch_size),
+        model, rows, drafter, params,
+        dataclasses.replace(run_config(args, model, args.batch_size), auto=draft_auto(args)),
         chat=not args.no_chat, repeats=args.repeats, ideal=args.ideal or is_forced(args.draft),
         config={"model": args.model, "draft": args.draft, "dataset": args.dataset,
                 "per_category": args.per_category, "dtype": args.dtype},

@@ -18,6 +18,7 @@ from specjax.cli.options import (
     add_sampling_args,
     add_subcommand,
     check_output_path,
+    draft_auto,
     draft_shape,
     int_at_least,
     load_tuned,
@@ -188,6 +189,7 @@ def cmd_generate(args) -> int:
             prompt_ids=[r["id"] for r in todo],
             schedule=schedule, mesh=mesh, refill=not args.no_refill,
             ordered=out_fd is None,  # a file takes each chunk's rows as they end (ids tell them apart)
+            num_draft="auto" if draft_auto(args) else None,
         )
         for first, gens in batches:
             records = [output_row(row, gen) for row, gen in zip(todo[first:], gens)

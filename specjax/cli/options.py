@@ -21,6 +21,7 @@ from specjax.drafters.registry import check_spec, make_drafter
 from specjax.errors import InputError
 from specjax.measure.bench import RunConfig
 from specjax.measure.datasets import load_prompt_set, select_rows
+from specjax.options import AUTO_MAX_DRAFT, draft_choice
 from specjax.progress import say
 from specjax.schedule import load_schedule
 from specjax.sharding import MeshSpec, as_mesh, loader_shardings, parse_mesh
@@ -122,6 +123,11 @@ def probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def num_draft_or_auto(text: str) -> int | str:
+    """An argparse type: "auto" (the draft shape picked every step) or a draft length."""
+    return "auto" if text.strip() == "auto" else num_draft(text)
 
 
 def num_draft(text: str) -> int:
@@ -226,9 +232,11 @@ def add_draft_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--draft", default=None, required=required,
                    help=DRAFTER_HELP + ("" if required else " (default: none, plain decoding)"))
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--num-draft", type=num_draft, default=None,
-                       help=f"draft a chain of D tokens per step (default: {DEFAULT_NUM_DRAFT} "
-                            "with --draft)")
+    group.add_argument("--num-draft", type=num_draft_or_auto, default=None,
+                       help="draft a chain of D tokens per step, or 'auto': the shape with the "
+                            "highest predicted tokens/s, picked every step from this device's "
+                            "step costs and the job's acceptance (default: auto for ngram and "
+                            f"suffix, {DEFAULT_NUM_DRAFT} for the other drafters)")
     group.add_argument("--tree", default=None,
                        help="draft a tree instead of a chain: a preset name (configs/trees/) or "
                             "a YAML file (default: a chain)")
@@ -271,7 +279,20 @@ def draft_shape(args):
     check_draft_spec(args.draft)
     if args.tree:
         return load_tree(args.tree)
+    if draft_auto(args):
+        return chain(AUTO_MAX_DRAFT)
     return chain(DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft)
+
+
+def draft_auto(args) -> bool:
+    """Whether --draft runs with --num-draft auto (given, or the default of its kind); an
+    InputError for auto with a drafter kind that cannot switch shapes."""
+    if not args.draft or args.tree:
+        return False
+    try:
+        return draft_choice(args.draft, args.num_draft).auto
+    except ValueError as e:
+        raise InputError(f"--num-draft auto: {e}") from None
 
 def make_draft(args, tree, model):
     """(drafter, drafter params) for --draft with the draft tree `tree`, or (None, None)."""

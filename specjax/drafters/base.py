@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,9 @@ class Drafter:
     tree: TreeSpec
     #: target layers whose output hidden states prefill/update receive in target_out
     hidden_layers: tuple[int, ...] = ()
+    #: the state's pytree (structure, shapes) is the same whatever `tree` is, so the same
+    #: state serves every draft shape: what `num_draft="auto"` needs (`drafters.auto`)
+    shape_free_state: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

@@ -57,6 +57,8 @@ class NgramDrafter(Drafter):
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"ngram needs 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
 
+    shape_free_state = True
+
     @property
     def name(self) -> str:
         return "ngram"

@@ -246,6 +246,8 @@ class SuffixDrafter(Drafter):
         if self.ways < 1:
             raise ValueError(f"suffix needs ways >= 1, got {self.ways}")
 
+    shape_free_state = True
+
     @property
     def name(self) -> str:
         return "suffix"

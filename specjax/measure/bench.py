@@ -99,6 +99,7 @@ class RunConfig:
     ignore_eos: bool = False  # rows run to max_new_tokens (forced / shape-only runs)
     stop_token_seqs: tuple[tuple[int, ...], ...] = ()
     mesh: MeshSpec | None = None  # None: one device; else the generate_ids mesh
+    auto: bool = False  # the drafter runs with num_draft="auto" (its tree: auto's longest chain)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +166,7 @@ def generate_batches(model, ids, run: RunConfig, drafter, drafter_params, max_ne
         top_k=run.top_k, top_p=run.top_p, seed=run.seed, batch_size=run.batch_size,
         eos_ids=() if run.ignore_eos else None, stop_token_seqs=run.stop_token_seqs,
         draft=drafter, drafter_params=drafter_params, mesh=run.mesh, refill=False,
+        num_draft="auto" if run.auto and drafter is not None else None,
     )
 
 
@@ -306,6 +308,18 @@ def mode_stats(rec: ModeRecord) -> dict:
     }
 
 
+def auto_section(acceptance: dict, spec: dict) -> dict:
+    """With num_draft="auto": {"shape_histogram" (steps per chain length, 0 = plain),
+    "predicted_decode_tokens_per_s" (the auto mode's own prediction of its picks),
+    "predicted_over_measured" (over decode_tokens_per_s)}; {} otherwise."""
+    if "shape_histogram" not in acceptance:
+        return {}
+    predicted, measured = acceptance["predicted_tokens_per_s"], spec["decode_tokens_per_s"]
+    return {"shape_histogram": acceptance["shape_histogram"],
+            "predicted_decode_tokens_per_s": predicted,
+            "predicted_over_measured": predicted / measured if measured else None}
+
+
 def section(num_prompts: int, base: ModeRecord, spec: ModeRecord) -> dict:
     """SECTION of the schema (without the ideal speedup)."""
     b, s = mode_stats(base), mode_stats(spec)
@@ -314,7 +328,7 @@ def section(num_prompts: int, base: ModeRecord, spec: ModeRecord) -> dict:
     return {
         "num_prompts": num_prompts,
         "baseline": b,
-        "spec": {**s, **{k: acceptance[k] for k in ACCEPTANCE_KEYS}},
+        "spec": {**s, **{k: acceptance[k] for k in ACCEPTANCE_KEYS}, **auto_section(acceptance, s)},
         "speedup": ratio(s["tokens_per_s"], b["tokens_per_s"]),
         "decode_speedup": ratio(s["decode_tokens_per_s"], b["decode_tokens_per_s"]),
         "ideal_speedup": None,
@@ -452,6 +466,11 @@ def summary_lines(report: dict) -> list[str]:
             f"{sec['speedup']:>7.2f} {sec['spec']['ttft_s']['median'] * 1e3:>8.1f}"
         )
     o = report["overall"]
+    if "shape_histogram" in o["spec"]:
+        ratio = o["spec"]["predicted_over_measured"]
+        lines.append(f"auto: steps per draft length {o['spec']['shape_histogram']}; predicted "
+                     f"{o['spec']['predicted_decode_tokens_per_s']:.1f} decode tok/s"
+                     + (f" = {ratio:.2f} x measured" if ratio else ""))
     if "compile_s" in o["spec"]:
         lines.append(f"compiled in {o['baseline']['compile_s']:.1f} s (baseline) + "
                      f"{o['spec']['compile_s']:.1f} s (spec), apart from the timed runs; spec: "

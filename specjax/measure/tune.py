@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket
+from specjax.costmodel import chain_tokens_per_step, throughput
 from specjax.measure.bench import (
     ModeRecord,
     RunConfig,
@@ -62,18 +63,8 @@ TILE_ROWS = 128
 
 
 # ---------------------------------------------------------------------------------------------
-# The throughput model (pure)
+# The throughput model (pure): `specjax.costmodel`'s formulas, shared with num_draft="auto"
 # ---------------------------------------------------------------------------------------------
-
-
-def throughput(tokens_per_step: float, batch_size: int, t_target: float, t_draft: float) -> float:
-    """E[tokens per step] x B / (T_target(B, 1 + D) + T_draft(B, D)), tokens/s."""
-    return tokens_per_step * batch_size / (t_target + t_draft)
-
-
-def chain_tokens_per_step(joint: Sequence[float], num_draft: int) -> float:
-    """1 + sum of the first D joint acceptances: E[tokens per step] of a chain of D."""
-    return 1.0 + float(sum(joint[:num_draft]))
 
 
 def batch_steps(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], batch_size: int) -> tuple[float, float]:
@@ -94,8 +85,9 @@ def predict(row_tokens: Sequence[int], row_tokens_per_step: Sequence[float], bat
     decode_tokens = sum(max(t - 1, 0) for t in row_tokens)
     e = decode_tokens / row_steps if row_steps else 1.0
     u = row_steps / (batch_size * batch_total) if batch_total else 1.0
+    # E x (B x U) / T: the cost model auto picks with, over the batch's busy rows
     return {"tokens_per_step": e, "utilization": u,
-            "tokens_per_s": decode_tokens / (batch_total * step_s) if batch_total else 0.0}
+            "tokens_per_s": throughput(e, batch_size * u, step_s) if batch_total else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------

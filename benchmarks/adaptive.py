@@ -1,0 +1,160 @@
+"""num_draft="auto" vs plain decoding vs every static chain length, side by side in one run.
+
+    # the reduced run committed in benchmarks/results/adaptive_reduced.json (2 shared CPU cores)
+    python benchmarks/adaptive.py --batch-sizes 1 8 --drafts ngram --rows 1=1 8=8 \
+        --max-new 32 --repeats 1 --out benchmarks/results/adaptive_reduced.json
+    # the issue-15 run (hours on a CPU)
+    python benchmarks/adaptive.py --batch-sizes 1 4 8 16 --drafts ngram suffix --rows 1=8 4=8 8=16 16=16 \
+        --max-new 128 --repeats 3 --out benchmarks/results/adaptive_full.json
+
+SmolLM2-135M (f32, greedy) on Spec-Bench first turns (chat template), all 13 categories. Per
+(drafter, B, category) cell, the first N prompts of the category (`--rows B=N`) run through the
+public API (`specjax.generate_ids`, refilled slots: what a user gets) in each mode: `plain`
+(no drafter), `auto` (the drafter given no num_draft: the draft shape picked every step; its
+step costs are profiled once per batch size, before the timed runs, or read from the cache) and
+`D=1, 2, 4, 8` (a fixed chain). Compilation is excluded (each program is built before it runs;
+`times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
+each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
+auto / plain and auto / the cell's best static D, auto's shape histogram and its predicted
+tokens/s. Targets (issue 15): auto >= 0.97 x plain in every cell, >= 0.95 x the best static D,
+and at B = 1 overall, auto above the best single static D.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specjax.api import generate_ids
+from specjax.metrics import job_summary
+from specjax.models.hub import load_model
+from specjax.timing import job_stats
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
+STATIC = (1, 2, 4, 8)
+
+
+def category_prompts(tokenizer, path: str, max_prompt: int) -> dict[str, list[list[int]]]:
+    """{category: token ids of its rows' first turns (chat template, head max_prompt)}, file order."""
+    out: dict[str, list[list[int]]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out.setdefault(row["category"], []).append(tokenizer.encode_chat(row["turns"][0])[:max_prompt])
+    return out
+
+
+def modes(draft: str) -> dict[str, dict]:
+    """{mode name: generate_ids draft options}."""
+    return {"plain": {}, "auto": {"draft": draft}} | {
+        f"D={d}": {"draft": draft, "num_draft": d} for d in STATIC}
+
+
+def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, list]:
+    """(tokens/s over the programs' run seconds, compile excluded; the results)."""
+    out = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
+                       batch_size=batch_size, **options)
+    stats = job_stats(out)
+    return stats.new_tokens / stats.run_s, out
+
+
+def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int) -> dict:
+    """One (drafter, B, category): median tokens/s per mode, modes rotated pass by pass."""
+    runs = modes(draft)
+    names = list(runs)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    auto_rows: list[dict] = []
+    for rep in range(repeats):
+        shift = (turn + rep) % len(names)
+        for name in names[shift:] + names[:shift]:
+            rate, out = timed(model, prompts, batch_size, max_new, runs[name])
+            rates[name].append(rate)
+            if name == "auto" and rep == 0:
+                auto_rows = [r.spec for r in out]
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    best = max(STATIC, key=lambda d: med[f"D={d}"])
+    summary = job_summary(auto_rows)
+    return {"num_prompts": len(prompts), "tokens_per_s": med, "runs": rates,
+            "best_static": f"D={best}",
+            "auto_over_plain": med["auto"] / med["plain"],
+            "auto_over_best_static": med["auto"] / med[f"D={best}"],
+            "auto_shape_histogram": summary.get("shape_histogram", {}),
+            "auto_acceptance_length": summary["acceptance_length"],
+            "auto_predicted_tokens_per_s": summary.get("predicted_tokens_per_s")}
+
+
+def overall(cells: dict[str, dict]) -> dict:
+    """Per mode: summed-time tokens/s over the cells is not available from medians, so the
+    geometric means of the per-cell ratios and the mean tokens/s per mode."""
+    names = next(iter(cells.values()))["tokens_per_s"].keys()
+    mean = {n: statistics.fmean(c["tokens_per_s"][n] for c in cells.values()) for n in names}
+    best = max(STATIC, key=lambda d: mean[f"D={d}"])
+    geo = lambda key: statistics.geometric_mean(c[key] for c in cells.values())
+    return {"mean_tokens_per_s": mean, "best_single_static": f"D={best}",
+            "auto_over_best_single_static": mean["auto"] / mean[f"D={best}"],
+            "geomean_auto_over_plain": geo("auto_over_plain"),
+            "geomean_auto_over_best_static": geo("auto_over_best_static"),
+            "min_auto_over_plain": min(c["auto_over_plain"] for c in cells.values()),
+            "min_auto_over_best_static": min(c["auto_over_best_static"] for c in cells.values())}
+
+
+def parse_rows(items: list[str]) -> dict[int, int]:
+    """["1=2", "8=8"] -> {1: 2, 8: 8} (prompts per category at each batch size)."""
+    return {int(b): int(n) for b, _, n in (item.partition("=") for item in items)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--drafts", nargs="+", default=["ngram"])
+    parser.add_argument("--rows", nargs="+", default=["1=2", "8=8"], help="B=N: prompts per category")
+    parser.add_argument("--categories", nargs="*", default=None, help="default: all")
+    parser.add_argument("--max-new", type=int, default=48)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = parse_rows(args.rows)
+    model = load_model(args.model, dtype="float32")
+    groups = category_prompts(model.tokenizer, args.prompts, args.max_prompt)
+    names = args.categories or list(groups)
+    report = {"command": "python " + " ".join(sys.argv), "model": args.model, "dtype": "float32",
+              "max_new_tokens": args.max_new, "repeats": args.repeats, "static": list(STATIC),
+              "results": {}}
+    start = time.perf_counter()
+    turn = 0
+    for draft in args.drafts:
+        for b in args.batch_sizes:
+            cells = {}
+            for name in names:
+                cells[name] = cell(model, groups[name][: rows.get(b, b)], b, args.max_new, draft,
+                                   args.repeats, turn)
+                turn += 1
+                c = cells[name]
+                print(f"{draft} B={b} {name:<15} plain {c['tokens_per_s']['plain']:6.1f} auto "
+                      f"{c['tokens_per_s']['auto']:6.1f} best {c['best_static']} "
+                      f"{c['tokens_per_s'][c['best_static']]:6.1f} | auto/plain "
+                      f"{c['auto_over_plain']:.2f} auto/best {c['auto_over_best_static']:.2f} "
+                      f"shapes {c['auto_shape_histogram']} ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+                if args.out:  # every finished cell is kept, should the run be cut short
+                    report["results"][f"{draft}/B={b}"] = {"cells": cells, "overall": overall(cells)}
+                    Path(args.out).write_text(json.dumps(report, indent=1))
+            report["results"][f"{draft}/B={b}"] = {"cells": cells, "overall": overall(cells)}
+            print(f"{draft} B={b} overall {json.dumps(report['results'][f'{draft}/B={b}']['overall'])}",
+                  flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(report, indent=1))
+    report["wall_s"] = time.perf_counter() - start
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Step costs of `num_draft="auto"`'s branches on this device, measured once and cached.
+
+`auto_drafter(target, params, drafter, drafter_params, batch_size)` wraps a drafter for auto
+(`drafters.auto.AutoDrafter`) with `AutoParams.step_s`: the seconds of one whole step of each
+branch (the plain step and each chain length) at this batch size. They are measured by running
+the branches themselves, forced, on a running batch (`profile_step_costs`: compilation
+excluded, branches timed in turns, medians), once per (device kind, model, dtype, batch size,
+drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
+`~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
+long it took); an unreadable one, or one made for another device or model, is profiled again
+with a warning: never an error. `costs_from_profile` reads the same costs from a
+`specjax profile` / `specjax tune` latency profile instead.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths
+from specjax.loop import StopCriteria, spec_start_program
+from specjax.models.hub import cache_dir
+from specjax.sampling import SamplingParams
+from specjax.target import as_target
+
+VERSION = 1
+CONTEXT = 64  # prompt tokens cached before the timed steps
+STEPS = 4  # steps per timed call
+REPEATS = 5  # timed calls per branch (medians)
+
+
+def stderr_line(message: str) -> None:
+    print(f"specjax: {message}", file=sys.stderr, flush=True)
+
+
+def costs_folder() -> Path:
+    return cache_dir() / "step_costs"
+
+
+def cost_key(target, drafter: AutoDrafter, batch_size: int) -> dict:
+    """What a cached cost belongs to: the device, the model (its config), the drafter, the
+    branches and the batch size (JSON-able, compared whole on load)."""
+    device = jax.devices()[0]
+    return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
+            "model": repr(target), "drafter": repr(drafter.inner), "lengths": list(drafter.lengths),
+            "batch_size": int(batch_size)}
+
+
+def cost_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return costs_folder() / f"{digest}.json"
+
+
+def cached_costs(path: Path, key: dict) -> tuple[list[float] | None, str | None]:
+    """(step seconds, None) from a good file; (None, why not) otherwise (None: no file)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as err:
+        return None, f"unreadable ({type(err).__name__})"
+    if not isinstance(data, dict) or data.get("key") != key:
+        found = data.get("key", {}) if isinstance(data, dict) else {}
+        return None, (f"made for another device or model ({found.get('device_kind', '?')}, "
+                      f"batch {found.get('batch_size', '?')})" if isinstance(found, dict) else "foreign")
+    step_s = data.get("step_s")
+    if (not isinstance(step_s, list) or len(step_s) != len(key["lengths"])
+            or not all(isinstance(s, (int, float)) and s > 0 for s in step_s)):
+        return None, "malformed step costs"
+    return [float(s) for s in step_s], None
+
+
+def write_costs(path: Path, key: dict, step_s: list[float], seconds: float) -> None:
+    """Writes the file atomically (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "step_s": step_s, "profile_s": round(seconds, 2)}),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "steps"))
+def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
+                  criteria, *, steps: int):
+    """`steps` steps of one branch `[]` from `spec_start`'s (state, drafter state, metrics)."""
+
+    def body(_, carry):
+        state, drafter_state, metrics = carry
+        return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
+                                     sampling, criteria, branch=branch)
+
+    return jax.lax.fori_loop(0, steps, body, started)
+
+
+def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
+                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS) -> list[float]:
+    """`[S]` median seconds of one step of each branch of `drafter` at `batch_size` rows with
+    `context` tokens cached (rows repeating a short motif, so drafters find matches)."""
+    lengths = drafter.lengths
+    width = context + (steps + 2) * (max(lengths) + 1)
+    motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
+    prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    params_ = AutoParams(inner=inner_params, step_s=jnp.ones((len(lengths),), jnp.float32))
+    start = lambda: spec_start_program(
+        target, params, drafter, params_, prompt, jnp.full((batch_size,), context, jnp.int32),
+        jnp.full((batch_size,), width, jnp.int32), as_target(target).init_cache(batch_size, width),
+        jax.random.PRNGKey(3), sampling, criteria, drafter.init_carry(params_), width=width)
+    started = start()
+    run = lambda b: jax.block_until_ready(_forced_steps(
+        target, params, drafter, params_, started, jnp.int32(b), sampling, criteria, steps=steps))
+    run(0)  # compiles (one program for every branch)
+    times: list[list[float]] = [[] for _ in lengths]
+    for _ in range(repeats):
+        for b in range(len(lengths)):
+            begin = time.perf_counter()
+            run(b)
+            times[b].append((time.perf_counter() - begin) / steps)
+    return [statistics.median(t) for t in times]
+
+
+def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int,
+               log: Callable[[str], None] = stderr_line) -> list[float]:
+    """`[S]` step seconds of the branches: the cached ones, else measured (and cached)."""
+    key = cost_key(target, drafter, batch_size)
+    path = cost_path(key)
+    step_s, problem = cached_costs(path, key)
+    if step_s is not None:
+        return step_s
+    if problem:
+        warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
+    log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)} at batch "
+        f"{batch_size} on {key['device_kind']} (once per device, model, dtype and batch size)")
+    begin = time.perf_counter()
+    step_s = profile_step_costs(target, params, drafter, inner_params, batch_size)
+    seconds = time.perf_counter() - begin
+    log(f"auto: profiled in {seconds:.1f} s (" + ", ".join(
+        f"D={d}: {s * 1e3:.2f} ms" for d, s in zip(drafter.lengths, step_s)) + f"), kept in {path}")
+    try:
+        write_costs(path, key, step_s, seconds)
+    except OSError as err:
+        warnings.warn(f"auto step costs not kept ({err})", stacklevel=2)
+    return step_s
+
+
+def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...]) -> list[float]:
+    """`[S]` step seconds from a latency profile's dict (`LatencyProfile.to_dict`, the
+    "profile" of a `specjax tune` report) at `batch_size`: the measured whole step where it
+    has one, else T_target(B, 1 + D) + T_draft(B, D); the plain step is T_ar(B)."""
+    b = str(batch_size)
+    target = {int(t): s for t, s in profile["target_s"][b].items()}
+    ts = sorted(target)
+    out = []
+    for d in lengths:
+        if d == 0:
+            out.append(float(profile["ar_step_s"][b]))
+        elif str(d) in profile.get("step_s", {}).get(b, {}):
+            out.append(float(profile["step_s"][b][str(d)]))
+        else:
+            t_target = float(np.interp(1 + d, ts, [target[t] for t in ts]))
+            out.append(t_target + float(profile.get("draft_s", {}).get(b, {}).get(str(d), 0.0)))
+    return out
+
+
+def auto_drafter(target, params, drafter, drafter_params, batch_size: int,
+                 profile: dict | None = None, log: Callable[[str], None] = stderr_line):
+    """(AutoDrafter, AutoParams) driving `drafter` at `batch_size` rows: its branches (the
+    plain step, `auto_lengths` chains) and their step costs (from `profile`, a latency profile
+    dict, when given; else cached or measured, `step_costs`)."""
+    cfg = getattr(target, "cfg", target)
+    group = getattr(cfg, "group_size", None)
+    auto = AutoDrafter.wrap(drafter, auto_lengths(group))
+    if profile is not None:
+        step_s = costs_from_profile(profile, batch_size, auto.lengths)
+    else:
+        step_s = step_costs(target, params, auto, drafter_params, batch_size, log)
+    return auto, AutoParams(inner=drafter_params, step_s=jnp.asarray(step_s, jnp.float32))

@@ -1,0 +1,42 @@
+"""The one cost model of a draft shape: what `specjax tune` ranks shapes by and what
+`num_draft="auto"` picks a shape with, every step, inside the compiled program.
+
+For B rows and a chain of D draft tokens (D = 0: a plain decoding step):
+
+    tokens/s(D) = E[tokens per step](D) x B / T(D)
+    E(D)        = 1 + sum_{j < D} joint_j,      joint_j = prod_{k <= j} conditional_k
+
+T(D) is the step's cost in seconds: T_target(B, 1 + D) + T_draft(B, D), or the measured
+whole step. `conditional_k` is P(draft token k + 1 accepted | the first k were).
+
+Every function takes Python floats, NumPy arrays or JAX arrays (traced inside a program).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def throughput(tokens_per_step, batch_size, t_target, t_draft=0.0):
+    """E[tokens per step] x B / (T_target(B, 1 + D) + T_draft(B, D)), tokens/s."""
+    return tokens_per_step * batch_size / (t_target + t_draft)
+
+
+def chain_tokens_per_step(joint, num_draft: int):
+    """1 + sum of the first D joint acceptances: E[tokens per step] of a chain of D."""
+    head = joint[:num_draft]
+    return 1.0 + (head.sum() if hasattr(head, "sum") else float(sum(head)))
+
+
+def joint_acceptance(conditional):
+    """`[Dmax]` P(the first j + 1 draft tokens accepted) from the conditional acceptances `[Dmax]`."""
+    xp = np if isinstance(conditional, (list, tuple, np.ndarray)) else jnp
+    return xp.cumprod(xp.asarray(conditional), axis=-1)
+
+
+def chain_tokens_per_steps(conditional, lengths: tuple[int, ...]):
+    """`[S]` E[tokens per step] of each chain length in `lengths` (0: a plain step, E = 1)
+    from the conditional acceptances `[Dmax]` (Dmax >= max(lengths))."""
+    joint = joint_acceptance(conditional)
+    xp = np if isinstance(joint, np.ndarray) else jnp
+    return xp.stack([xp.asarray(chain_tokens_per_step(joint, d)) for d in lengths])

@@ -1,0 +1,278 @@
+"""num_draft="auto": the draft shape picked every step inside the program (`drafters.auto`).
+
+Greedy output equals plain greedy while the switch visits every branch (the `rotate` test hook,
+and picks driven by the cost table), through static batches and refilled slots; sampling stays
+lossless (the chi-square test of test_lossless_e2e); the acceptance estimator; the cached step
+costs (missing, corrupt, foreign files are profiled again, never an error); the option rules.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import chi_square, tiny_config
+
+from specjax import auto_costs
+from specjax.api import generate_ids
+from specjax.drafters.auto import (
+    AutoDrafter,
+    AutoParams,
+    auto_lengths,
+    observations,
+    updated_estimate,
+)
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.suffix import SuffixDrafter
+from specjax.models.llama import init_params
+from specjax.options import draft_choice
+from specjax.tree import chain
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3, 1], [5, 5, 5, 5],
+           [9, 3, 9, 3, 9]]
+INNER = {"ngram": (NgramDrafter(tree=chain(1)), (0, 1, 2, 4)),
+         "suffix": (SuffixDrafter(tree=chain(1), log2_slots=10), (0, 1, 3))}
+
+
+@functools.cache
+def model():
+    cfg = tiny_config(vocab_size=16)
+    return cfg, init_params(cfg, jax.random.PRNGKey(0))
+
+
+@functools.cache
+def plain(max_new: int = 24):
+    cfg, params = model()
+    return [r.token_ids for r in generate_ids(cfg, params, PROMPTS, max_new_tokens=max_new, eos_ids=[])]
+
+
+def auto(kind: str, step_s=None, **options):
+    inner, lengths = INNER[kind]
+    drafter = AutoDrafter.wrap(inner, lengths, **options)
+    costs = jnp.ones(len(lengths)) if step_s is None else jnp.asarray(step_s, jnp.float32)
+    return drafter, AutoParams(inner=None, step_s=costs)
+
+
+def run(drafter, params, refill: bool, batch_size: int = 2, max_new: int = 24):
+    cfg, target_params = model()
+    return generate_ids(cfg, target_params, PROMPTS, max_new_tokens=max_new, eos_ids=[],
+                        draft=drafter, drafter_params=params, refill=refill, batch_size=batch_size)
+
+
+def histogram(results) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in results:
+        for d, n in r.spec.get("shape_histogram", {}).items():
+            out[d] = out.get(d, 0) + n
+    return out
+
+
+# ---- exactness while switching ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,refill", [("ngram", True), ("ngram", False), ("suffix", True)])
+def test_greedy_auto_visiting_every_branch_equals_plain_greedy(kind, refill):
+    drafter, params = auto(kind, rotate=True)
+    results = run(drafter, params, refill)
+    assert [r.token_ids for r in results] == plain()
+    assert sorted(histogram(results), key=int) == [str(d) for d in drafter.lengths]
+
+
+def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
+    drafter, _ = auto("ngram")
+    cheap_plain = AutoParams(inner=None, step_s=jnp.asarray([1e-3, 1.0, 1.0, 1.0]))
+    results = run(drafter, cheap_plain, refill=True)
+    assert [r.token_ids for r in results] == plain() and set(histogram(results)) == {"0"}
+    free_drafts = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.0, 1.0, 1.0]))
+    results = run(drafter, free_drafts, refill=True)
+    assert [r.token_ids for r in results] == plain() and "0" not in histogram(results)
+    spec = results[0].spec
+    assert spec["predicted_tokens_per_s"] == pytest.approx(spec["predicted_tokens"] / spec["predicted_s"])
+
+
+def test_the_pick_follows_the_estimate_and_the_active_rows():
+    drafter, params = auto("ngram", step_s=[1.0, 1.3, 1.35, 1.5])
+    state = drafter.init(params, 2, 16)
+    active = jnp.asarray([True, False])
+    hopeless = state.replace(conditional=jnp.zeros_like(state.conditional))
+    certain = state.replace(conditional=jnp.ones_like(state.conditional))
+    assert int(jnp.argmax(drafter.predicted(params, hopeless, active)[0])) == 0
+    assert int(jnp.argmax(drafter.predicted(params, certain, active)[0])) == len(drafter.lengths) - 1
+    tokens_per_s, per_step = drafter.predicted(params, certain, jnp.asarray([True, True]))
+    np.testing.assert_allclose(per_step, [1, 2, 3, 5])
+    np.testing.assert_allclose(tokens_per_s, 2 * per_step / params.step_s, rtol=1e-6)
+
+
+# ---- sampling stays lossless ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotate", "picked"])
+def test_sampling_with_auto_matches_plain_sampling(rotate):
+    from test_lossless_e2e import PROMPT, TEMPERATURE, TOP_K, TOP_P, models
+
+    target_cfg, target_params, _, _ = models()
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2), rotate=rotate)
+    # picked: plain steps cost more than drafting, so the spec branches run from the start
+    params = AutoParams(inner=None, step_s=jnp.asarray([3.0, 1.0, 1.0]))
+    samples = []
+    for seed in range(3):
+        out = generate_ids(target_cfg, target_params, [PROMPT + PROMPT] * 4096, max_new_tokens=3,
+                           temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed, eos_ids=[],
+                           batch_size=4096, draft=drafter, drafter_params=params)
+        samples += [r.token_ids for r in out]
+    stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
+    assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
+    hist = histogram(out)
+    assert sorted(hist) == (["0", "1", "2"] if rotate else ["2"])  # picked: the cheap long chain
+
+
+@functools.cache
+def double_prompt_joint():
+    """The exact joint of the first three tokens after PROMPT + PROMPT (plain sampling)."""
+    from test_lossless_e2e import PROMPT, TEMPERATURE, TOP_K, TOP_P, VOCAB, models
+
+    from specjax.models.cache import init_cache
+    from specjax.models.llama import forward
+    from specjax.sampling import SamplingParams, probabilities
+
+    cfg, params, _, _ = models()
+    sampling = SamplingParams.make(TEMPERATURE, TOP_K, TOP_P)
+    prompt = PROMPT + PROMPT
+
+    def next_probs(prefixes):
+        n, length = prefixes.shape
+        out = forward(cfg, params, jnp.asarray(prefixes, jnp.int32),
+                      jnp.broadcast_to(jnp.arange(length), (n, length)), init_cache(cfg, n, length))
+        return np.asarray(probabilities(out.logits[:, -1], sampling), np.float64)
+
+    grid = np.array(np.meshgrid(*[np.arange(VOCAB)] * 2, indexing="ij")).reshape(2, -1).T
+    p1 = next_probs(np.array([prompt]))[0]
+    p2 = next_probs(np.array([prompt + [a] for a in range(VOCAB)]))
+    p3 = next_probs(np.array([prompt + list(ab) for ab in grid])).reshape(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+# ---- the estimator --------------------------------------------------------------------------------
+
+
+def test_observations_count_rows_reaching_each_depth():
+    active = jnp.asarray([True, True, True, False])
+    accepted = jnp.asarray([0, 2, 4, 4])
+    reached, hits = observations(active, accepted, num_draft=4, max_depth=6)
+    np.testing.assert_array_equal(reached, [3, 2, 2, 1, 0, 0])
+    np.testing.assert_array_equal(hits, [2, 2, 1, 1, 0, 0])
+
+
+def test_the_estimate_is_an_ema_per_observation_and_unobserved_depths_relax_to_the_prior():
+    cond = jnp.asarray([0.5, 0.2])
+    new = updated_estimate(cond, jnp.asarray([2.0, 0.0]), jnp.asarray([2.0, 0.0]), prior=0.6,
+                           decay=0.9, relax=0.1)
+    np.testing.assert_allclose(new, [0.81 * 0.5 + 0.19 * 1.0, 0.2 + 0.1 * 0.4], rtol=1e-6)
+
+
+def test_auto_lengths_add_the_tile_points_in_range():
+    assert auto_lengths(None) == (0, 1, 2, 4, 8)
+    assert auto_lengths(16) == (0, 1, 2, 4, 7, 8)  # 128/16 - 1 = 7; 16 x 8 = 128: D = 7
+    assert auto_lengths(32) == (0, 1, 2, 3, 4, 7, 8)  # 128/32 - 1 = 3; 32 x 4, 32 x 8: D = 3, 7
+    assert auto_lengths(3) == (0, 1, 2, 4, 8)  # SmolLM2: 128/3 - 1 = 41, out of range
+
+
+# ---- the cost cache -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_profiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    calls = []
+
+    def profile(target, params, drafter, inner_params, batch_size, **_):
+        calls.append(batch_size)
+        return [0.001 * (1 + d) for d in drafter.lengths]
+
+    monkeypatch.setattr(auto_costs, "profile_step_costs", profile)
+    return calls
+
+
+def costs_now(lines=None):
+    cfg, params = model()
+    drafter, _ = auto("ngram")
+    return auto_costs.step_costs(cfg, params, drafter, None, 4, log=(lines if lines is not None else []).append), drafter
+
+
+def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
+    lines = []
+    first, drafter = costs_now(lines)
+    assert fake_profiler == [4] and any("profiling the step costs" in line for line in lines)
+    second, _ = costs_now()
+    assert second == first and fake_profiler == [4]
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"key": {}}), "",
+                                     "FOREIGN", "MALFORMED"])
+def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content):
+    _, drafter = costs_now()
+    cfg, _ = model()
+    key = auto_costs.cost_key(cfg, drafter, 4)
+    path = auto_costs.cost_path(key)
+    if content == "FOREIGN":
+        content = json.dumps({"key": key | {"device_kind": "TPU v9"}, "step_s": [1.0] * 4})
+    elif content == "MALFORMED":
+        content = json.dumps({"key": key, "step_s": [1.0, -1.0]})
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="profiling again"):
+        step_s, _ = costs_now()
+    assert fake_profiler == [4, 4] and len(step_s) == 4
+    assert json.loads(path.read_text())["key"] == key
+
+
+def test_costs_from_a_latency_profile():
+    profile = {"target_s": {"4": {"1": 0.010, "5": 0.014}}, "ar_step_s": {"4": 0.011},
+               "draft_s": {"4": {"2": 0.001}}, "step_s": {"4": {"4": 0.020}}}
+    got = auto_costs.costs_from_profile(profile, 4, (0, 2, 4))
+    assert got == pytest.approx([0.011, 0.012 + 0.001, 0.020])
+
+
+# ---- options --------------------------------------------------------------------------------------
+
+
+def test_auto_is_the_default_for_ngram_and_suffix_specs_only():
+    assert draft_choice("ngram").auto and draft_choice("suffix:1-4").auto
+    assert draft_choice("ngram", num_draft="auto").auto
+    assert not draft_choice("ngram", num_draft=4).auto
+    assert not draft_choice("ngram", tree="kary_2x2x2").auto
+    assert not draft_choice("layerskip:1").auto and draft_choice("layerskip:1").tree.num_nodes == 4
+    with pytest.raises(ValueError, match="num_draft='auto' needs"):
+        draft_choice("layerskip:1", num_draft="auto")
+    with pytest.raises(ValueError, match="not both"):
+        draft_choice("ngram", num_draft="auto", tree="kary_2x2x2")
+    with pytest.raises(ValueError, match="num_draft='auto' needs"):
+        draft_choice(DraftModelDrafter(tree=chain(2), cfg=tiny_config()), num_draft="auto")
+
+
+def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):
+    cfg, params = model()
+    out = generate_ids(cfg, params, PROMPTS, max_new_tokens=24, eos_ids=[], draft="ngram",
+                       batch_size=2)
+    assert [r.token_ids for r in out] == plain() and fake_profiler == [2]
+    assert histogram(out)
+
+
+# ---- what the metrics and bench report -------------------------------------------------------------
+
+
+def test_job_summaries_sum_the_shape_histograms_and_predictions():
+    from specjax.measure.bench import auto_section
+    from specjax.metrics import job_summary, summarize
+
+    rows = [summarize(4, 6, 3, [2, 1], [2, 1, 1], 8.0, 0.5), summarize(2, 2, 0, [0, 0], [1, 1, 0], 3.0, 0.6)]
+    job = job_summary(rows)
+    assert job["shape_histogram"] == {"0": 3, "1": 2, "2": 1}
+    assert job["predicted_tokens_per_s"] == pytest.approx(11.0 / 1.1)
+    section = auto_section(job, {"decode_tokens_per_s": 5.0})
+    assert section["predicted_over_measured"] == pytest.approx(2.0)
+    assert "shape_histogram" not in summarize(4, 6, 3, [2, 1]) and auto_section(summarize(1, 1, 1, [1]), {}) == {}

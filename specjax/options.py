@@ -133,11 +133,10 @@ def per_prompt_limits(max_new_tokens, count: int) -> tuple[int | None, list[int]
     """(the scalar for GenerationConfig, each prompt's limit or None) of a max_new_tokens option
     that is None, one int, or a sequence of `count` ints >= 1 (one per prompt: the config gets
     their largest)."""
-    if max_new_tokens is None or is_integer(max_new_tokens) or isinstance(max_new_tokens, (str, bytes)):
-        return max_new_tokens, None
-    if not isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, np.ndarray):
-        raise TypeError(f"max_new_tokens must be an int or a sequence of ints (one per prompt), "
-                        f"got {describe(max_new_tokens)}")
+    per_prompt = isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(
+        max_new_tokens, (str, bytes))
+    if not per_prompt or (isinstance(max_new_tokens, np.ndarray) and max_new_tokens.ndim == 0):
+        return max_new_tokens, None  # one value, checked by GenerationConfig
     limits = [check_int(m, f"max_new_tokens[{i}]", 1) for i, m in enumerate(max_new_tokens)]
     if len(limits) != count:
         raise ValueError(f"max_new_tokens has {len(limits)} values for {count} prompts: give one "

@@ -128,7 +128,10 @@ def test_sampling_with_auto_matches_plain_sampling(rotate):
     stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
     hist = histogram(out)
-    assert sorted(hist) == (["0", "1", "2"] if rotate else ["2"])  # picked: the cheap long chain
+    if rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
+        assert sorted(hist) == ["0", "1"]
+    else:  # picked: the cheap long chain
+        assert sorted(hist) == ["2"]
 
 
 @functools.cache

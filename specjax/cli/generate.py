@@ -170,7 +170,8 @@ def cmd_generate(args) -> int:
     if not todo:
         return 0
     owned_ids = {r["id"] for r in owned}
-    model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
+    model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings,
+                           quantize=args.quantize)
     drafter, drafter_params = make_draft(args, tree, model)
     if args.skip_bad_rows:
         todo = fitting_rows(todo, model, drafter, schedule, args)

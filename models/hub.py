@@ -318,7 +318,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
     else:
         file = read_gguf(path)
         cfg = config_from_gguf(file, dtype)
-        params = params_from_gguf(file, cfg, shardings)
+        params = params_from_gguf(file, cfg, shardings, quantize)
         tokenizer = Tokenizer.from_gguf_metadata(file.metadata, str(path))
     if preset is not None:
         tokenizer = _apply_chat_defaults(tokenizer, preset.chat)

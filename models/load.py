@@ -45,7 +45,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
     if path.is_dir():
         cfg, params = load_hf(path, dtype, shardings)
     elif path.is_file():
-        cfg, params = load_gguf(path, dtype, shardings)
+        cfg, params = load_gguf(path, dtype, shardings, quantize)
     else:
         raise CheckpointError(path, "no such file or directory")
     return cfg, quantize_params(params, quantize)

@@ -10,6 +10,8 @@
 - Unknown modes and a backend that cannot run fp8 are one-line errors before any load; the
   CLI refuses a bad --quantize before any model loads.
 - Sharding specs cover the values and scales of quantized kernels.
+- GGUF Q8_0 / Q4_0 kernels load straight into int8 / int4 QArrays equal to quantize(dequantize(x))
+  at the file's scales; Q4_1 goes through floats and qwix.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import qwix
-from helpers import tiny_config
+from helpers import Q, tiny_config, write_gguf
 from jax.sharding import PartitionSpec as P
+from qwix._src.core.qarray import quantize_with_scale_zero_point
 from test_cli_errors import _forbid_model_loads, run_cli
 
 import specjax.models.quant as quant
@@ -33,6 +36,7 @@ from specjax.drafters.registry import make_drafter
 from specjax.models.cache import init_cache
 from specjax.models.hub import load_model
 from specjax.models.llama import forward, init_params
+from specjax.models.load import load_checkpoint
 from specjax.models.quant import quantization_of, quantize_kernel, quantize_params
 from specjax.sharding import partition_specs
 from specjax.tree import chain, k_ary
@@ -185,3 +189,48 @@ def test_sharding_specs_cover_quantized_kernels():
     assert specs["mlp"]["down_proj"]["kernel"].qvalue == P(None, "tp", None)
     assert specs["mlp"]["down_proj"]["kernel"].scale == P(None, "tp", None)  # 2 blocks / 2
     assert specs["self_attn"]["o_proj"]["kernel"].scale == P(None, None, None)  # 1 block
+
+
+# ---- GGUF blocks straight to QArrays ----------------------------------------------------------
+
+GGUF_CFG = tiny_config(vocab_size=64)  # every kernel's input size is a multiple of 32
+
+
+@pytest.mark.parametrize("qtype, mode", [(Q.Q8_0, "int8"), (Q.Q4_0, "int4")])
+def test_gguf_blocks_load_as_qarrays_equal_to_quantize_of_dequantize(qtype, mode, tmp_path):
+    """Q8_0 / Q4_0 kernels become QArrays without a float detour; each equals qwix's quantize of
+    the dequantized tensor at the file's block scales, and dequantizes to exactly what the
+    file's dequantizer gives."""
+    source = init_params(GGUF_CFG, jax.random.PRNGKey(3))
+    expected = write_gguf(tmp_path / "m.gguf", GGUF_CFG, source, qtype)
+    _, loaded = load_checkpoint(tmp_path / "m.gguf", quantize=mode)
+    _, floats = load_checkpoint(tmp_path / "m.gguf")
+    assert quantization_of(loaded) == mode
+    for name in ("self_attn", "q_proj"), ("self_attn", "k_proj"), ("mlp", "down_proj"):
+        kernel = loaded["params"]["layers"][name[0]][name[1]]["kernel"]
+        assert kernel.qvalue.dtype == quant.SPECS[mode].qtype
+        assert kernel.scale.shape[1] == kernel.shape[1] // 32  # the file's blocks
+        dequantized = floats["params"]["layers"][name[0]][name[1]]["kernel"]
+        requantized = quantize_with_scale_zero_point(dequantized, kernel.qtype, kernel.scale, None)
+        np.testing.assert_array_equal(np.asarray(requantized.qvalue, np.int8),
+                                      np.asarray(kernel.qvalue, np.int8))
+        np.testing.assert_array_equal(qwix.dequantize(kernel), dequantized)
+    hf_name = "model.layers.1.self_attn.k_proj.weight"  # q/k rows un-permuted like the floats
+    np.testing.assert_array_equal(
+        np.asarray(qwix.dequantize(loaded["params"]["layers"]["self_attn"]["k_proj"]["kernel"]))[1].T,
+        expected[hf_name])
+
+
+def test_other_gguf_block_types_are_quantized_by_qwix(tmp_path):
+    """Q4_1 (the shipped SmolLM2 file's type: a float offset per block, which a QArray's integer
+    zero point cannot hold) is dequantized, then quantized by qwix."""
+    source = init_params(GGUF_CFG, jax.random.PRNGKey(3))
+    write_gguf(tmp_path / "m.gguf", GGUF_CFG, source, Q.Q4_1)
+    _, loaded = load_checkpoint(tmp_path / "m.gguf", quantize="int4")
+    _, floats = load_checkpoint(tmp_path / "m.gguf")
+    kernel = loaded["params"]["layers"]["mlp"]["up_proj"]["kernel"]
+    expected = quantize_kernel(floats["params"]["layers"]["mlp"]["up_proj"]["kernel"],
+                               quant.SPECS["int4"])
+    np.testing.assert_array_equal(np.asarray(kernel.qvalue, np.int8),
+                                  np.asarray(expected.qvalue, np.int8))
+    np.testing.assert_array_equal(kernel.scale, expected.scale)

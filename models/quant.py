@@ -129,12 +129,3 @@ def quantization_of(params: Params) -> str | None:
                         str(leaf.qtype))
     return None
 
-
-def weight_bytes(params: Params) -> int:
-    """Bytes of every array in `params` (QArray qvalues at their logical width: int4 = 1/2)."""
-    total = 0
-    for leaf in jax.tree.leaves(params):
-        bits = jnp.iinfo(leaf.dtype).bits if jnp.issubdtype(leaf.dtype, jnp.integer) else \
-            jnp.finfo(leaf.dtype).bits
-        total += leaf.size * bits // 8
-    return total

@@ -87,7 +87,7 @@ def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int = 4) ->
         (g,) = specjax.generate(model, [prompt], max_new_tokens=max_new, batch_size=1, draft=draft,
                                 num_draft=num_draft if draft else None)
         tokens += g.num_new_tokens
-        seconds += g.times["decode_s"]
+        seconds += g.times.decode_s
         lengths.append(len(prompt) + g.num_new_tokens / 2)
     return {"tokens_per_s": round(tokens / seconds, 2), "step_ms": round(1e3 * seconds / tokens, 2),
             "mean_length": float(np.mean(lengths))}

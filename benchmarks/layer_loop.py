@@ -1,13 +1,21 @@
-"""One decode step of the target (forward over 1 token per row, B rows, a cache of S entries)
-with the layer loop as a scan vs unrolled, and per layer as separate buffers (the floor: no
-weight slicing at all): compile seconds, step milliseconds, and the HLO's copies of stacked
-weights.
+"""The layer loop as a scan vs unrolled (`ModelConfig.layer_loop`), and per layer as separate
+buffers (no weight slicing at all).
 
-    .venv/bin/python benchmarks/layer_loop.py --batch 8 --quantize none int8 --out benchmarks/results/layer_loop.json
+`--program step`: one decode step alone (forward over 1 token per row, B rows, a cache of S
+entries): compile seconds, step milliseconds, the HLO's slice / copy counts.
+`--program decode`: the real AR decoding program (`specjax.generate`, prefill + the
+`lax.while_loop` over steps) on B prompts: compile seconds and decode tokens/s; here static
+weight slices of the unrolled loop are loop-invariant and XLA may hoist them out of the
+while loop (once per program instead of once per step).
+
+    SPECJAX_COMPILE_CACHE=0 .venv/bin/python benchmarks/layer_loop.py --program step --batch 8
+    SPECJAX_COMPILE_CACHE=0 .venv/bin/python benchmarks/layer_loop.py --program decode --batch 8 \
+        --quantize none int8 --loops scan unroll --out benchmarks/results/layer_loop_decode.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -15,9 +23,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+import specjax
 from specjax.models.cache import init_cache
 from specjax.models.hub import load_model
 from specjax.models.llama import DecoderLayer, LlamaModel, forward, rope_tables
+from specjax.timing import job_stats
 
 
 def step_fn(cfg):
@@ -60,6 +70,17 @@ def timed(fn, args, repeats: int) -> tuple[float, float, dict]:
     return compile_s, sorted(times)[len(times) // 2] * 1e3, stats
 
 
+def decode_program(model, batch: int, max_new: int) -> dict:
+    """compile s, decode tokens/s of plain greedy decoding of `batch` fixed prompts."""
+    prompts = [[1 + (7 * i + j) % 500 for j in range(24 + i)] for i in range(batch)]
+    out = specjax.generate(model, prompts, max_new_tokens=max_new, batch_size=batch,
+                           eos_ids=[], refill=False)
+    stats = job_stats(out)
+    return {"compile_s": round(stats.compile_s, 2), "decode_s": round(stats.decode_s, 2),
+            "tokens_per_s": round(stats.new_tokens / stats.decode_s, 2),
+            "step_ms": round(1e3 * stats.decode_s / max_new, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -68,6 +89,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quantize", nargs="+", default=["none"])
     ap.add_argument("--loops", nargs="+", default=["scan", "unroll", "split"])
+    ap.add_argument("--program", choices=["step", "decode"], default="step")
+    ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -78,6 +101,12 @@ def main() -> None:
         positions = jnp.full((b, 1), args.capacity // 2, jnp.int32)
         for loop in args.loops:
             cfg = model.cfg.replace(layer_loop="scan" if loop == "split" else loop)
+            if args.program == "decode":
+                row = {"quantize": mode, "loop": loop, "batch": b, "max_new": args.max_new,
+                       **decode_program(dataclasses.replace(model, cfg=cfg), b, args.max_new)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                continue
             cache = init_cache(cfg, b, args.capacity)
             cache = cache.replace(lengths=jnp.full((b,), args.capacity // 2, jnp.int32))
             if loop == "split":

@@ -1,21 +1,20 @@
-"""The layer loop as a scan vs unrolled (`ModelConfig.layer_loop`), and per layer as separate
-buffers (no weight slicing at all).
+"""The layer loop as a scan, vs per layer as separate buffers (no weight slicing at all).
+
+(An unrolled scan, `nn.scan(unroll=L)` behind a `ModelConfig.layer_loop` knob, was measured
+with this script at commit 82c87d2 and removed as a loss: docs/quantization.md has the numbers.)
 
 `--program step`: one decode step alone (forward over 1 token per row, B rows, a cache of S
 entries): compile seconds, step milliseconds, the HLO's slice / copy counts.
 `--program decode`: the real AR decoding program (`specjax.generate`, prefill + the
-`lax.while_loop` over steps) on B prompts: compile seconds and decode tokens/s; here static
-weight slices of the unrolled loop are loop-invariant and XLA may hoist them out of the
-while loop (once per program instead of once per step).
+`lax.while_loop` over steps) on B prompts: compile seconds and decode tokens/s (scan only).
 
     SPECJAX_COMPILE_CACHE=0 .venv/bin/python benchmarks/layer_loop.py --program step --batch 8
     SPECJAX_COMPILE_CACHE=0 .venv/bin/python benchmarks/layer_loop.py --program decode --batch 8 \
-        --quantize none int8 --loops scan unroll --out benchmarks/results/layer_loop_decode.json
+        --quantize none int8 --loops scan
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import time
@@ -88,7 +87,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quantize", nargs="+", default=["none"])
-    ap.add_argument("--loops", nargs="+", default=["scan", "unroll", "split"])
+    ap.add_argument("--loops", nargs="+", choices=["scan", "split"], default=["scan", "split"])
     ap.add_argument("--program", choices=["step", "decode"], default="step")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--out", default=None)
@@ -100,10 +99,12 @@ def main() -> None:
         tokens = jnp.ones((b, 1), jnp.int32)
         positions = jnp.full((b, 1), args.capacity // 2, jnp.int32)
         for loop in args.loops:
-            cfg = model.cfg.replace(layer_loop="scan" if loop == "split" else loop)
+            cfg = model.cfg
             if args.program == "decode":
+                if loop != "scan":
+                    continue
                 row = {"quantize": mode, "loop": loop, "batch": b, "max_new": args.max_new,
-                       **decode_program(dataclasses.replace(model, cfg=cfg), b, args.max_new)}
+                       **decode_program(model, b, args.max_new)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 continue

@@ -58,10 +58,6 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     dtype: str = "float32"
     attention_impl: AttentionImpl = "auto"
-    #: the layer loop: "scan" (one loop body, each layer's weights sliced out of the stacked
-    #: params per iteration) or "unroll" (the scan unrolled: every slice static); the params
-    #: tree is the same either way
-    layer_loop: Literal["scan", "unroll"] = "scan"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
@@ -75,8 +71,6 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}: use float32, bfloat16 or float16")
-        if self.layer_loop not in ("scan", "unroll"):
-            raise ValueError(f"layer_loop must be scan or unroll, not {self.layer_loop!r}")
         if self.attention_impl not in ("auto", "pallas", "pallas_tpu", "xla"):
             raise ValueError(
                 f"attention_impl must be auto, pallas, pallas_tpu or xla, not {self.attention_impl!r}"

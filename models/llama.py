@@ -198,7 +198,6 @@ class LlamaModel(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-            unroll=cfg.num_layers if cfg.layer_loop == "unroll" else 1,
         )
         self.layers = scanned(cfg, self.collect_hidden)
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)

@@ -5,6 +5,8 @@
 Supports the architectures `llama` (also Mistral files, which llama.cpp writes as llama),
 `qwen2` (q/k/v bias) and `qwen3` (q/k RMSNorm); tensor types F32, F16, BF16 and every block
 quantization `gguf.quants.dequantize` knows (Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...).
+With `quantize="int8"` / `"int4"`, Q8_0 / Q4_0 layer kernels are read as qwix QArrays straight
+from their blocks (`gguf_reader.block_values`, docs/quantization.md).
 
 The header reader lives in `gguf_reader` (shared with the tokenizer).
 

@@ -16,9 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 from specjax.models.config import ModelConfig
 from specjax.models.finite import CheckpointError, check_finite
+from specjax.models.quant import SPECS, is_quantized_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,9 @@ class TensorSource:
     no such tensor; `path` and `native_name` (the file's own name of a tensor) go into errors.
     `available` lists the file's own tensor names: any that the model does not read, other than
     those `ignorable` accepts, are an error (a bias or layer this model would silently drop).
+    `fetch_blocks(name, mode)`: the tensor as (values `[out, in]`, block scales `[out, in/32]`)
+    when the file stores it in a block type quantization `mode` holds exactly (GGUF Q8_0 /
+    Q4_0), else None.
     """
 
     path: str
@@ -36,6 +41,8 @@ class TensorSource:
     native_name: Callable[[str], str] = str
     available: frozenset[str] = frozenset()
     ignorable: Callable[[str], bool] = lambda name: False
+    fetch_blocks: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] = (
+        lambda name, mode: None)
 
     def describe(self, name: str) -> str:
         native = self.native_name(name)
@@ -138,6 +145,25 @@ def _leaf(source: TensorSource, spec: ParamSpec, num_layers: int, dtype) -> np.n
     return out if spec.per_layer else out[0]
 
 
+def _block_leaf(source: TensorSource, spec: ParamSpec, num_layers: int, dtype,
+                mode: str) -> qwix.QArray | None:
+    """A layer kernel `[L, in, out]` as a QArray of `mode` read straight from the file's blocks
+    (values `[L, in, out]`, scales `[L, in / 32, out]` in `dtype`; no float detour), or None
+    unless every layer's tensor is stored in the block type `mode` holds exactly."""
+    names = _names(spec, num_layers)
+    parts = [source.fetch_blocks(name, mode) for name in names]
+    if not parts or any(part is None for part in parts):
+        return None
+    for name, (values, scales) in zip(names, parts):
+        if tuple(values.shape) != tuple(spec.hf_shape):
+            raise CheckpointError(source.path, f"tensor {source.describe(name)} has shape "
+                                  f"{tuple(values.shape)}, expected {tuple(spec.hf_shape)}")
+        check_finite(scales.astype(dtype), source.path, f"block scales of tensor {source.describe(name)}")
+    values = np.stack([v.T for v, _ in parts])
+    scales = np.stack([s.T for _, s in parts]).astype(dtype)
+    return qwix.QArray(jnp.asarray(values), jnp.asarray(scales), None, SPECS[mode].qtype)
+
+
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -165,7 +191,7 @@ def placed_leaf(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax
 
 
 def assemble_params(cfg: ModelConfig, source: TensorSource,
-                    shardings: ShardingsFor | None = None) -> dict:
+                    shardings: ShardingsFor | None = None, quantize: str | None = None) -> dict:
     """The `{"params": ...}` tree of `LlamaModel(cfg)` from HF-named tensors, in `cfg.dtype`.
 
     Linear kernels become `[L, in, out]`, norms `[L, D]`; the LM head is read only when
@@ -174,6 +200,10 @@ def assemble_params(cfg: ModelConfig, source: TensorSource,
     shardings: None (every leaf whole on the default device), or a function of `cfg` giving the
     params' Sharding tree: each leaf is then read on the host (one leaf at a time: layers
     stacked `[L, ...]`) and sent to each device as its slice only.
+    quantize: a `models.quant` mode: layer kernels the file stores in a block type that mode
+    holds exactly (`TensorSource.fetch_blocks`) become QArrays here, straight from the blocks
+    (one device only: a sharded load quantizes after placement); the rest stay floats for
+    `quant.quantize_params`.
     """
     placement = None if shardings is None else shardings(cfg)["params"]
     specs = param_specs(cfg)
@@ -188,6 +218,12 @@ def assemble_params(cfg: ModelConfig, source: TensorSource,
     dtype = numpy_dtype(cfg.dtype)
     params: dict = {}
     for spec in specs:
+        blocks = None
+        if quantize is not None and placement is None and is_quantized_kernel(spec.path):
+            blocks = _block_leaf(source, spec, cfg.num_layers, dtype, quantize)
+        if blocks is not None:
+            _set(params, spec.path, blocks)
+            continue
         sharding = None if placement is None else _get(placement, spec.path)
         _set(params, spec.path, placed_leaf(_leaf(source, spec, cfg.num_layers, dtype), sharding))
     return {"params": params}

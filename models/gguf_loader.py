@@ -5,6 +5,8 @@
 Supports the architectures `llama` (also Mistral files, which llama.cpp writes as llama),
 `qwen2` (q/k/v bias) and `qwen3` (q/k RMSNorm); tensor types F32, F16, BF16 and every block
 quantization `gguf.quants.dequantize` knows (Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...).
+With `quantize="int8"` / `"int4"`, Q8_0 / Q4_0 layer kernels are read as qwix QArrays straight
+from their blocks (`gguf_reader.block_values`, docs/quantization.md).
 
 The header reader lives in `gguf_reader` (shared with the tokenizer).
 
@@ -92,11 +94,8 @@ def gguf_source(file: GGUFFile, cfg: ModelConfig, permuted: bool) -> TensorSourc
     """HF-named, HF-layout view of the file's tensors (dequantized, q/k rows un-permuted)."""
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
 
-    def fetch(hf_name: str) -> np.ndarray | None:
-        name = gguf_tensor_name(hf_name)
-        if name not in file.tensors:
-            return None
-        array = file.read(name)
+    def hf_rows(hf_name: str, name: str, array: np.ndarray) -> np.ndarray:
+        """`array` (rows of tensor `name`: values, or their block scales) in HF row order."""
         match = _LAYER_RE.fullmatch(hf_name)
         if permuted and match is not None and match.group(2) in heads:
             n_head = heads[match.group(2)]
@@ -109,8 +108,22 @@ def gguf_source(file: GGUFFile, cfg: ModelConfig, permuted: bool) -> TensorSourc
             array = unpermute_qk(array, n_head)
         return array
 
+    def fetch(hf_name: str) -> np.ndarray | None:
+        name = gguf_tensor_name(hf_name)
+        if name not in file.tensors:
+            return None
+        return hf_rows(hf_name, name, file.read(name))
+
+    def fetch_blocks(hf_name: str, mode: str) -> tuple[np.ndarray, np.ndarray] | None:
+        name = gguf_tensor_name(hf_name)
+        blocks = file.read_blocks(name, mode) if name in file.tensors else None
+        if blocks is None:
+            return None
+        return tuple(hf_rows(hf_name, name, part) for part in blocks)
+
     return TensorSource(
-        file.path, fetch, gguf_tensor_name, frozenset(file.tensors), _IGNORABLE.__contains__
+        file.path, fetch, gguf_tensor_name, frozenset(file.tensors), _IGNORABLE.__contains__,
+        fetch_blocks,
     )
 
 
@@ -214,17 +227,19 @@ def config_from_gguf(file: GGUFFile, dtype: str = "float32") -> ModelConfig:
 
 
 def params_from_gguf(file: GGUFFile, cfg: ModelConfig,
-                     shardings: ShardingsFor | None = None) -> dict:
-    """The params tree (see `assemble_params`, and its `shardings`) from an opened GGUF and its
-    config."""
+                     shardings: ShardingsFor | None = None, quantize: str | None = None) -> dict:
+    """The params tree (see `assemble_params`, its `shardings` and `quantize`: Q8_0 / Q4_0
+    kernels straight to int8 / int4 QArrays) from an opened GGUF and its config."""
     permuted = ARCHITECTURES[file.get("general.architecture")]
-    return assemble_params(cfg, gguf_source(file, cfg, permuted), shardings)
+    return assemble_params(cfg, gguf_source(file, cfg, permuted), shardings, quantize)
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32",
-              shardings: ShardingsFor | None = None) -> tuple[ModelConfig, dict]:
+              shardings: ShardingsFor | None = None,
+              quantize: str | None = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) of a GGUF checkpoint; raises CheckpointError naming the file.
-    shardings: see `assemble_params` (None: one device)."""
+    shardings: see `assemble_params` (None: one device); quantize: the kernels stored in the
+    mode's exact block type as QArrays (the others still floats: `quant.quantize_params`)."""
     file = read_gguf(path)
     cfg = config_from_gguf(file, dtype)
-    return cfg, params_from_gguf(file, cfg, shardings)
+    return cfg, params_from_gguf(file, cfg, shardings, quantize)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.checkpoint import CheckpointError
@@ -79,6 +80,38 @@ class GGUFFile:
                 f"tensor {name!r} uses quantization type {info.qtype.name}, which cannot be "
                 "dequantized (gguf.quants supports F32, F16, BF16, Q4_0..Q8_0, the K-quants, IQ*)",
             ) from None
+
+    def read_blocks(self, name: str, mode: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Tensor `name` as (values, block scales) (`block_values`) when it is stored in the
+        block type that quantization `mode` holds exactly (`EXACT_BLOCKS`), else None."""
+        info = self.tensors[name]
+        if EXACT_BLOCKS.get(mode) != info.qtype or len(info.shape) != 2:
+            return None
+        raw = np.frombuffer(self.buffer, np.uint8, info.nbytes, info.offset)
+        return block_values(raw, info.qtype, info.shape)
+
+
+#: GGUF block types a qwix QArray holds exactly (value = d * q, f16 d per 32 values of a row),
+#: by the quantization mode they serve: Q8_0 int8 q, Q4_0 nibbles - 8 (int4)
+EXACT_BLOCKS = {"int8": gguf.GGMLQuantizationType.Q8_0, "int4": gguf.GGMLQuantizationType.Q4_0}
+QUANT_BLOCK = 32
+
+
+def block_values(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(values `[rows, cols]` int8 / int4, scales `[rows, cols / 32]` f32) of Q8_0 / Q4_0 bytes
+    `raw` of a tensor of numpy `shape` (rows, cols): `values * repeat(scales, 32)` is exactly
+    what `gguf.quants.dequantize` gives."""
+    rows, cols = shape
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(rows, cols // QUANT_BLOCK, block_bytes)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    payload = blocks[..., 2:]
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        values = payload.copy().view(np.int8)
+    else:  # Q4_0: byte j holds values j (low nibble) and j + 16 (high nibble)
+        nibbles = np.concatenate([payload & 0x0F, payload >> 4], axis=-1)
+        values = (nibbles.astype(np.int8) - 8).astype(jnp.int4)
+    return values.reshape(rows, cols), scales
 
 
 class _Cursor:

@@ -34,6 +34,7 @@ from specjax.models.config import ModelConfig, resolve_dtype
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf
 from specjax.models.gguf_reader import read_gguf
 from specjax.models.hf_loader import load_hf
+from specjax.models.quant import check_quantize, quantize_params
 from specjax.models.tokenizer import Tokenizer
 
 PRESET_PACKAGE = "specjax.configs"
@@ -297,7 +298,7 @@ def _apply_chat_defaults(tokenizer: Tokenizer, chat: ChatDefaults) -> Tokenizer:
 
 
 def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
-               shardings: ShardingsFor | None = None) -> LoadedModel:
+               shardings: ShardingsFor | None = None, quantize: str | None = None) -> LoadedModel:
     """Loads a preset name, a `.gguf` file or a Hugging Face folder with its tokenizer.
 
     `cfg.eos_token_ids` equals `tokenizer.eos_token_ids` (the preset's eos tokens when it names
@@ -305,8 +306,11 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
     dtype: of the params; "auto" = bfloat16 on GPU / TPU, float32 on CPU (`resolve_dtype`).
     shardings: None (one device) or `specjax.sharding.loader_shardings(mesh)`: each weight is
     loaded straight into its shards (`checkpoint.assemble_params`).
+    quantize: None, "int8", "int4" or "fp8": the layer kernels as qwix QArrays
+    (`models.quant`; checked before the file is read).
     """
     dtype = resolve_dtype(dtype)
+    check_quantize(quantize)
     path, preset = resolve(name_or_path)
     if path.is_dir():
         cfg, params = load_hf(path, dtype, shardings)
@@ -314,9 +318,10 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
     else:
         file = read_gguf(path)
         cfg = config_from_gguf(file, dtype)
-        params = params_from_gguf(file, cfg, shardings)
+        params = params_from_gguf(file, cfg, shardings, quantize)
         tokenizer = Tokenizer.from_gguf_metadata(file.metadata, str(path))
     if preset is not None:
         tokenizer = _apply_chat_defaults(tokenizer, preset.chat)
     cfg = cfg.replace(eos_token_ids=tokenizer.eos_token_ids)
+    params = quantize_params(params, quantize)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path, preset=preset)

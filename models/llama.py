@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import qwix
 from flax import struct
 
 from specjax.kernels.dispatch import verify_attention
@@ -93,15 +94,32 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-def _dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=dtype,
-        kernel_init=nn.initializers.normal(0.02),
-        name=name,
-    )
+class Linear(nn.Module):
+    """`nn.Dense`'s math and param names (`kernel [in, out]`, `bias [out]`); the kernel may be
+    a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [..., in] -> [..., out]
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features),
+                            self.dtype)
+        x = jnp.asarray(x, self.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        if isinstance(kernel, qwix.QArray):
+            y = qwix.dot_general(x, kernel, dims).astype(self.dtype)
+        else:
+            y = jax.lax.dot_general(x, jnp.asarray(kernel, self.dtype), dims)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
+            y = y + jnp.asarray(bias, self.dtype)
+        return y
+
+
+def _dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
+    return Linear(features, use_bias=use_bias, dtype=dtype, name=name)
 
 
 class Attention(nn.Module):

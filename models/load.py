@@ -18,6 +18,7 @@ from specjax.models.checkpoint import CheckpointError, ShardingsFor, TensorSourc
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import load_gguf, permute_qk, unpermute_qk
 from specjax.models.hf_loader import load_hf
+from specjax.models.quant import check_quantize, quantize_params
 
 __all__ = [
     "CheckpointError",
@@ -32,13 +33,19 @@ __all__ = [
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
-                    shardings: ShardingsFor | None = None) -> tuple[ModelConfig, dict]:
+                    shardings: ShardingsFor | None = None,
+                    quantize: str | None = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) of a `.gguf` file or a Hugging Face folder. shardings: None (one
     device), or the config -> Sharding tree function of `assemble_params`
-    (`specjax.sharding.loader_shardings(mesh)`): each leaf goes straight into its shards."""
+    (`specjax.sharding.loader_shardings(mesh)`): each leaf goes straight into its shards.
+    quantize: None or a `models.quant` mode ("int8", "int4", "fp8"): the layer kernels as
+    qwix QArrays."""
+    check_quantize(quantize)
     path = Path(path)
     if path.is_dir():
-        return load_hf(path, dtype, shardings)
-    if path.is_file():
-        return load_gguf(path, dtype, shardings)
-    raise CheckpointError(path, "no such file or directory")
+        cfg, params = load_hf(path, dtype, shardings)
+    elif path.is_file():
+        cfg, params = load_gguf(path, dtype, shardings, quantize)
+    else:
+        raise CheckpointError(path, "no such file or directory")
+    return cfg, quantize_params(params, quantize)

@@ -212,19 +212,34 @@ def fallback_spec(shape: tuple[int, ...], itemsize: int, tp: int,
     return P(*([None] * (len(shape) - 1)), "tp")
 
 
+#: the parts of a quantized kernel (`qwix.QArray`, `models.quant`): each follows its kernel's rule
+_QARRAY_PART = re.compile(r"/(qvalue|scale|zero_point)$")
+
+
+def part_spec(spec: P, shape: tuple[int, ...], tp: int) -> P:
+    """A kernel's spec for a part of its QArray: a split axis stays split where the part's
+    size there is a multiple of tp (the values; a block scale with whole blocks per device),
+    else it is replicated (a per-channel scale's size-1 input axis)."""
+    return P(*(axis if axis is None or shape[i] % tp == 0 and shape[i] > 1 else None
+               for i, axis in enumerate(spec)))
+
+
 def partition_specs(tree, tp: int, rules: Sequence[tuple[str, P]] = LLAMA_RULES,
                     small_bytes: int = SMALL_LEAF_BYTES):
     """A PartitionSpec per leaf of `tree` (arrays or ShapeDtypeStructs): its rule's, else the
-    fallback (`fallback_spec`). A rule whose spec has another rank than its leaf is an error."""
+    fallback (`fallback_spec`). A rule whose spec has another rank than its leaf is an error.
+    The values and scales of a quantized kernel (`.../kernel/qvalue`, `.../kernel/scale`)
+    follow the kernel's rule (`part_spec`)."""
 
     def spec_of(path, leaf):
         name = leaf_path(path)
-        spec = rule_spec(name, rules)
+        kernel_name = _QARRAY_PART.sub("", name)
+        spec = rule_spec(kernel_name, rules)
         if spec is None:
             return fallback_spec(tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, tp, small_bytes)
         if len(spec) not in (0, len(leaf.shape)):
             raise ValueError(f"rule {spec} for {name} does not fit its shape {tuple(leaf.shape)}")
-        return spec
+        return spec if kernel_name == name else part_spec(spec, tuple(leaf.shape), tp)
 
     return jax.tree_util.tree_map_with_path(spec_of, tree)
 

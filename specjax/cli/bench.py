@@ -33,7 +33,7 @@ def cmd_bench(args) -> int:
     check_outputs(args)
     rows = dataset_rows(args)
     model = measure_profile.load_target(args.model, args.dtype,
-                                        shardings=mesh_shardings(args)[1])
+                                        shardings=mesh_shardings(args)[1], quantize=args.quantize)
     drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype)
     report = measure_bench.run_bench(
         model, rows, drafter, params,

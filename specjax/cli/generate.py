@@ -133,8 +133,8 @@ def cmd_generate_on_ray(args) -> int:
     file's order."""
     if args.prompts is None or args.out is None or args.resume:
         raise InputError("--ray runs a --prompts file into a new --out (no --resume)")
-    if args.mesh is not None or args.tuned or args.tree:
-        raise InputError("--ray: --mesh, --tuned and --tree are not supported there yet")
+    if args.mesh is not None or args.tuned or args.tree or args.quantize:
+        raise InputError("--ray: --mesh, --tuned, --tree and --quantize are not supported there yet")
     check_output_path(args.out, "--out")
     import specjax.ray  # the optional ray extra, only this option needs it
 
@@ -171,7 +171,8 @@ def cmd_generate(args) -> int:
     if not todo:
         return 0
     owned_ids = {r["id"] for r in owned}
-    model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
+    model = hub.load_model(args.model, dtype=args.dtype, shardings=shardings,
+                           quantize=args.quantize)
     drafter, drafter_params = make_draft(args, tree, model)
     if args.skip_bad_rows:
         todo = fitting_rows(todo, model, drafter, schedule, args)

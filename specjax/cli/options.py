@@ -21,6 +21,7 @@ from specjax.drafters.registry import check_spec, make_drafter
 from specjax.errors import InputError
 from specjax.measure.bench import RunConfig
 from specjax.measure.datasets import load_prompt_set, select_rows
+from specjax.models.quant import QUANT_MODES
 from specjax.options import AUTO_MAX_DRAFT, draft_choice
 from specjax.progress import say
 from specjax.schedule import load_schedule
@@ -223,6 +224,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target model: a preset name, a .gguf file or a Hugging Face folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the weights and the compute")
+    p.add_argument("--quantize", default=None, choices=list(QUANT_MODES),
+                   help="weight-only quantization of the decoder layers' kernels (qwix): int8 "
+                        "per channel, int4 in blocks of 32, fp8 e4m3 where the backend runs it "
+                        "(default: off); draft models follow the target's")
 
 DRAFTER_HELP = ("drafter: ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "
                 "eagle3|mtp|medusa|dflash|dspark:DIR (trained or upstream HF folder) | "

@@ -28,7 +28,7 @@ def cmd_profile(args) -> int:
     if args.draft:
         check_draft_spec(args.draft)
     check_outputs(args)
-    model = measure_profile.load_target(args.model, args.dtype)
+    model = measure_profile.load_target(args.model, args.dtype, quantize=args.quantize)
     drafters = {}
     if args.draft:
         for d in draft_lengths:

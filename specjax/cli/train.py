@@ -142,7 +142,8 @@ def cmd_train_drafter(args) -> int:
     if not rows:
         raise InputError("no prompts")
     mesh, shardings = mesh_shardings(args)
-    target = hub.load_model(args.model, dtype=args.dtype, shardings=shardings)
+    target = hub.load_model(args.model, dtype=args.dtype, shardings=shardings,
+                            quantize=args.quantize)
     check_against_target(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]

@@ -41,7 +41,7 @@ def cmd_tune(args) -> int:
     check_outputs(args)
     rows = dataset_rows(args)
     model = measure_profile.load_target(args.model, args.dtype,
-                                        shardings=mesh_shardings(args)[1])
+                                        shardings=mesh_shardings(args)[1], quantize=args.quantize)
     tc = TuneConfig(
         batch_sizes=batch_sizes, max_draft=args.max_draft,
         draft_lengths=draft_lengths, trees=name_list(args.trees),

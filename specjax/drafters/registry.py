@@ -6,7 +6,8 @@ Specs (`NAME` or `NAME:ARG`):
     suffix | suffix:N | suffix:A-B     suffix decoding, context orders 1..N or A..B (default 1-6)
     layerskip:K                        the target's first K layers + final norm + LM head
     model:NAME_OR_PATH                 a Llama-family draft model with the target's tokenizer,
-                                       loaded by `specjax.models.hub.load_model`
+                                       loaded by `specjax.models.hub.load_model` (quantized
+                                       like the target: `models.quant`)
     forced:PROFILE                     measurement only, not lossless (`drafters.forced`)
     eagle3:DIR | mtp:DIR | medusa:DIR  a learned head trained by `specjax train-drafter` (DIR
     dflash:DIR | dspark:DIR            = its output), or an upstream EAGLE-3 / DFlash HF folder
@@ -30,6 +31,7 @@ from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.models.config import ModelConfig
 from specjax.models.hub import load_model
+from specjax.models.quant import quantization_of, quantize_params
 from specjax.tree import TreeSpec
 
 Factory = Callable[[str, "DraftContext"], tuple[Any, Any]]
@@ -182,7 +184,9 @@ def _model(arg: str, ctx: DraftContext):
     loader = ctx.loader or load_model
     draft = loader(arg, ctx.dtype)
     check_tokenizers(getattr(draft, "tokenizer", None), ctx.target_tokenizer, arg)
-    return DraftModelDrafter(tree=ctx.tree, cfg=draft.cfg), draft.params
+    # a draft model follows the target's weight quantization (models.quant)
+    params = quantize_params(draft.params, quantization_of(ctx.target_params))
+    return DraftModelDrafter(tree=ctx.tree, cfg=draft.cfg), params
 
 
 @register("forced")

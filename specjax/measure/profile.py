@@ -36,6 +36,7 @@ from specjax.models.cache import init_cache
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.hub import load_model
 from specjax.models.llama import forward, init_params
+from specjax.models.quant import quantize_params
 from specjax.sampling import SamplingParams
 from specjax.verify import verify
 
@@ -91,20 +92,22 @@ def parse_random_spec(spec: str) -> tuple[str, int | None]:
         raise ValueError(f"{spec!r}: LAYERS must be an integer") from None
 
 
-def load_target(spec, dtype: str = "float32", seed: int = 0, shardings=None):
+def load_target(spec, dtype: str = "float32", seed: int = 0, shardings=None,
+                quantize: str | None = None):
     """A model object with .cfg, .params, .tokenizer (None for shape-only models).
 
     spec: an already loaded model, `random:NAME[:LAYERS]`, or anything `load_model` takes;
     shardings: `load_model`'s (a checkpoint loads straight into its shards; random params are
-    placed when a run shards them).
+    placed when a run shards them); quantize: `load_model`'s (random params too).
     """
     if not isinstance(spec, str):
         return spec
     if spec.startswith(RANDOM_PREFIX):
         cfg = shape_config(*parse_random_spec(spec), dtype=dtype)
-        return RandomModel(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed)), source=spec)
+        params = quantize_params(init_params(cfg, jax.random.PRNGKey(seed)), quantize)
+        return RandomModel(cfg=cfg, params=params, source=spec)
 
-    return load_model(spec, dtype=dtype, shardings=shardings)
+    return load_model(spec, dtype=dtype, shardings=shardings, quantize=quantize)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Decoding against this machine's memory-bandwidth floor, side by side in one run.
+
+1. Streaming-read bandwidth of a >= 1 GB buffer, with numpy and with jnp (best of N sums).
+2. For each mode (f32, bf16, int8, int4): the bytes a B=1 decode step must read (weights at
+   their stored width + the KV cache at the mean length) / the bandwidth = the floor step time;
+   the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
+3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
+   on Spec-Bench summarization and on open chat (writing) prompts.
+4. llama.cpp: run through llama-cpp-python when it imports (the shipped Q4_1 GGUF, the same
+   prompts and threads), else the column holds the reason.
+
+    .venv/bin/python benchmarks/cpu_floor.py --prompts-per-set 2 --max-new 64 \
+        --out benchmarks/results/cpu_floor_smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specjax
+from specjax.measure.datasets import load_prompt_set, select_rows
+from specjax.models.quant import quantize_params
+
+SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
+SETS = {"summarization": "summarization", "open_chat": "writing"}
+MODES = ("float32", "bfloat16", "int8", "int4")
+
+
+def numpy_bandwidth(nbytes: int, repeats: int) -> float:
+    """GB/s of the best `np.sum` over a float32 buffer of `nbytes`."""
+    buf = np.ones(nbytes // 4, np.float32)
+    best = min(_timed(lambda: buf.sum()) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def jnp_bandwidth(nbytes: int, repeats: int) -> float:
+    """GB/s of the best jitted `jnp.sum` over a float32 device buffer of `nbytes`."""
+    buf = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(buf).block_until_ready()
+    best = min(_timed(lambda: total(buf).block_until_ready()) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def stored_bytes(params) -> int:
+    """Bytes the arrays of `params` occupy as stored (int4 at one byte a value where the
+    backend unpacks it: XLA CPU does)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+
+
+def kv_bytes(cfg, length: float) -> float:
+    """KV cache bytes one row reads per step at `length` cached tokens."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * length * jnp.dtype(cfg.dtype).itemsize
+
+
+def model_in(f32, mode: str):
+    """The f32-loaded model as `mode` (bf16 params, or int8 / int4 layer kernels)."""
+    if mode == "bfloat16":
+        return dataclasses.replace(f32, cfg=f32.cfg.replace(dtype="bfloat16"),
+                                   params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), f32.params))
+    if mode in ("int8", "int4"):
+        return dataclasses.replace(f32, params=quantize_params(f32.params, mode))
+    return f32
+
+
+def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int = 4) -> dict:
+    """tokens/s (decode only, compile and prefill excluded) of B=1 generations of `prompts`."""
+    specjax.generate(model, prompts[:1], max_new_tokens=max_new, batch_size=1, draft=draft,
+                     num_draft=num_draft if draft else None)  # compile
+    tokens = seconds = 0.0
+    lengths = []
+    for prompt in prompts:
+        (g,) = specjax.generate(model, [prompt], max_new_tokens=max_new, batch_size=1, draft=draft,
+                                num_draft=num_draft if draft else None)
+        tokens += g.num_new_tokens
+        seconds += g.times.decode_s
+        lengths.append(len(prompt) + g.num_new_tokens / 2)
+    return {"tokens_per_s": round(tokens / seconds, 2), "step_ms": round(1e3 * seconds / tokens, 2),
+            "mean_length": float(np.mean(lengths))}
+
+
+def llama_cpp_rate(gguf_path: str, prompts, max_new: int, threads: int) -> dict | str:
+    """llama.cpp greedy tokens/s through llama-cpp-python, or why it did not run."""
+    try:
+        import llama_cpp  # a benchmark dependency only, not installed by .[dev]
+    except ImportError as e:
+        return f"not run: llama-cpp-python does not import ({e})"
+    llm = llama_cpp.Llama(gguf_path, n_threads=threads, verbose=False, n_ctx=2048)
+    tokens = seconds = 0.0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        out = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=max_new,
+                                         temperature=0.0)
+        seconds += time.perf_counter() - t0
+        tokens += out["usage"]["completion_tokens"]
+    return {"tokens_per_s": round(tokens / seconds, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", default=SPEC_BENCH)
+    ap.add_argument("--prompts-per-set", type=int, default=2)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--drafts", nargs="*", default=["ngram", "suffix"])
+    ap.add_argument("--bandwidth-gb", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    nbytes = int(args.bandwidth_gb * 1e9)
+    bandwidth = {"numpy_gb_s": round(numpy_bandwidth(nbytes, args.repeats), 2),
+                 "jnp_gb_s": round(jnp_bandwidth(nbytes, args.repeats), 2), "bytes": nbytes}
+    print("bandwidth", bandwidth, flush=True)
+    floor_gb_s = max(bandwidth["numpy_gb_s"], bandwidth["jnp_gb_s"])
+    f32 = specjax.load(args.model, dtype="float32")
+    rows = load_prompt_set(args.prompts)
+    sets = {name: [r["prompt"] for r in select_rows(rows, [cat], args.prompts_per_set)]
+            for name, cat in SETS.items()}
+    results: dict = {}
+    for mode in args.modes:
+        model = model_in(f32, mode)
+        weights = stored_bytes(model.params)
+        for name, texts in sets.items():
+            prompts = [model.tokenizer.encode_chat(t) for t in texts]
+            ar = decode_rate(model, prompts, args.max_new)
+            step_bytes = weights + kv_bytes(model.cfg, ar["mean_length"])
+            floor_ms = 1e3 * step_bytes / (floor_gb_s * 1e9)
+            drafted = {d: decode_rate(model, prompts, args.max_new, draft=d) for d in args.drafts}
+            best = max(drafted, key=lambda d: drafted[d]["tokens_per_s"]) if drafted else None
+            results.setdefault(mode, {})[name] = {
+                "weight_bytes": weights, "step_bytes": int(step_bytes),
+                "floor_step_ms": round(floor_ms, 2), "ar": ar,
+                "fraction_of_floor": round(floor_ms / ar["step_ms"], 3),
+                "drafters": drafted, "best_drafter": best}
+            print(mode, name, json.dumps(results[mode][name]), flush=True)
+    gguf = str(f32.source)
+    llama = {name: llama_cpp_rate(gguf, texts, args.max_new, threads=os.cpu_count() or 1)
+             for name, texts in sets.items()}
+    print("llama.cpp", llama, flush=True)
+    report = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
+              "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "bandwidth": bandwidth,
+              "specjax": results, "llama_cpp": llama, "hf_transformers": "not run (time box)"}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -741,7 +741,8 @@ def iter_generate_ids(
     if generation.stop:
         raise ValueError("stop strings need the tokenizer: use specjax.generate, or pass their "
                          "token sequences as stop_token_seqs=")
-    choice = draft_choice(renamed_drafter(draft, drafter), num_draft, tree, drafter_params)
+    choice = draft_choice(renamed_drafter(draft, drafter), num_draft, tree, drafter_params,
+                          sampled=generation.temperature > 0)
     return id_job(target, params, prompts, generation, job_key(seed, key), choice,
                   stop_token_seqs=stop_token_seqs, batch_size=batch_size, max_len=max_len,
                   schedule=schedule, labels=labels, prompt_ids=prompt_ids, model=model, dtype=dtype,
@@ -953,7 +954,8 @@ def iter_generate(
                                           temperature=temperature, top_k=top_k, top_p=top_p,
                                           stop=stop, eos_ids=eos_ids)
     job = job_key(seed, key)
-    choice = draft_choice(draft, num_draft, tree, drafter_params)
+    choice = draft_choice(draft, num_draft, tree, drafter_params,
+                          sampled=generation.temperature > 0)
     check_sizes(batch_size, max_len)
     check_refill(refill)
     row_key_ids(prompt_ids, len(rows))

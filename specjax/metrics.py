@@ -81,8 +81,9 @@ def auto_summary(shape_steps: Iterable[int], predicted_tokens: float, predicted_
     shape_steps = [int(x) for x in shape_steps]
     if not any(shape_steps):
         return {}
-    return {"shape_histogram": {str(d): n for d, n in enumerate(shape_steps) if n},
-            "predicted_tokens": float(predicted_tokens), "predicted_s": float(predicted_s),
+    predicted_tokens, predicted_s = float(predicted_tokens), float(predicted_s)  # JSON: no numpy
+    return {"shape_histogram": {str(d): int(n) for d, n in enumerate(shape_steps) if n},
+            "predicted_tokens": predicted_tokens, "predicted_s": predicted_s,
             "predicted_tokens_per_s": predicted_tokens / predicted_s if predicted_s > 0 else 0.0}
 
 

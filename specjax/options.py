@@ -195,14 +195,18 @@ def check_drafter(drafter) -> Drafter:
     return drafter
 
 
-def draft_choice(draft, num_draft=None, tree=None, drafter_params=None) -> DraftChoice:
+def draft_choice(draft, num_draft=None, tree=None, drafter_params=None,
+                 sampled: bool = False) -> DraftChoice:
     """Checks `draft=` (None, a drafter spec string, a Drafter, or a `(drafter, params)` pair)
     with its shape options; loads nothing. ValueError listing the known drafter kinds when
     `draft` is none of these or names an unknown kind.
 
-    num_draft="auto" (the default for a spec of a kind in AUTO_KINDS given no num_draft / tree)
-    picks the draft shape every step (`drafters.auto`); other kinds default to a chain of
-    DEFAULT_NUM_DRAFT."""
+    num_draft="auto" (the default for a spec of a kind in AUTO_KINDS given no num_draft / tree,
+    when greedy) picks the draft shape every step (`drafters.auto`); other kinds, and every kind
+    when `sampled` (temperature > 0), default to a chain of DEFAULT_NUM_DRAFT: speculative
+    sampling draws differently for another draft shape (exactly, but other tokens), and auto's
+    shape follows the whole batch (its acceptance estimate, the active rows), so a sampled row
+    would depend on its neighbours; an explicit "auto" accepts that."""
     auto = isinstance(num_draft, str) and num_draft == "auto"
     shape = draft_shape(None if auto else num_draft, tree)
     if draft is None:
@@ -219,7 +223,7 @@ def draft_choice(draft, num_draft=None, tree=None, drafter_params=None) -> Draft
         if auto and kind not in AUTO_KINDS:
             raise ValueError(f"num_draft='auto' needs a drafter of kind {' or '.join(AUTO_KINDS)} "
                              f"(state independent of the draft shape); give num_draft=N for {draft!r}")
-        if shape is None and kind in AUTO_KINDS:
+        if shape is None and kind in AUTO_KINDS and not sampled:
             return DraftChoice(spec=draft.strip(), tree=chain(AUTO_MAX_DRAFT), auto=True)
         return DraftChoice(spec=draft.strip(), tree=shape or chain(DEFAULT_NUM_DRAFT))
     if isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Drafter):

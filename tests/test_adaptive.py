@@ -279,3 +279,13 @@ def test_job_summaries_sum_the_shape_histograms_and_predictions():
     section = auto_section(job, {"decode_tokens_per_s": 5.0})
     assert section["predicted_over_measured"] == pytest.approx(2.0)
     assert "shape_histogram" not in summarize(4, 6, 3, [2, 1]) and auto_section(summarize(1, 1, 1, [1]), {}) == {}
+
+
+def test_auto_summaries_are_plain_json():
+    """A row's auto fields go into the generate JSONL as they are: no numpy scalars."""
+    from specjax.metrics import auto_summary
+
+    summary = auto_summary(np.asarray([3, 0, 2], np.int32), np.float32(7.5), np.float32(2.5))
+    assert json.loads(json.dumps(summary)) == {"shape_histogram": {"0": 3, "2": 2},
+                                               "predicted_tokens": 7.5, "predicted_s": 2.5,
+                                               "predicted_tokens_per_s": 3.0}

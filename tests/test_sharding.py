@@ -308,7 +308,7 @@ def test_cli_generate_threads_the_mesh(monkeypatch, capsys):
 
     seen = {}
 
-    def load(name, dtype, shardings=None):
+    def load(name, dtype, shardings=None, quantize=None):
         seen["shardings"] = shardings
         return SimpleNamespace(cfg=tiny_config(), params=None, tokenizer=None)
 

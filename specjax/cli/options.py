@@ -295,7 +295,7 @@ def draft_auto(args) -> bool:
     if not args.draft or args.tree:
         return False
     try:
-        return draft_choice(args.draft, args.num_draft).auto
+        return draft_choice(args.draft, args.num_draft, sampled=(getattr(args, "temperature", 0) or 0) > 0).auto
     except ValueError as e:
         raise InputError(f"--num-draft auto: {e}") from None
 

@@ -2,13 +2,13 @@
 batches (each batch runs to its slowest row), side by side in one run.
 
     python benchmarks/batch_offline.py                        # quick: 16 rows, small budgets
-    # what docs/batch_jobs.md reports (2 shared CPU cores: about 20 + 15 minutes)
-    python benchmarks/batch_offline.py --rows 48 --tail 16 256 --workloads long_tail \
+    # what docs/batch_jobs.md reports (2 shared CPU cores: about 1.5 h + 0.5 h under load)
+    python benchmarks/batch_offline.py --rows 96 --tail 16 512 --workloads long_tail \
+        --batch-sizes 8 --drafts ar ngram --repeats 1 --hf-workloads \
         --out benchmarks/results/batch_offline_long_tail.json
-    python benchmarks/batch_offline.py --rows 32 --spec-bench-max-new 128 --workloads spec_bench \
+    python benchmarks/batch_offline.py --rows 24 --spec-bench-max-new 256 --workloads spec_bench \
+        --batch-sizes 8 --drafts ar ngram --repeats 1 \
         --out benchmarks/results/batch_offline_spec_bench.json
-    python benchmarks/batch_offline.py --rows 96 --tail 16 256 --workloads long_tail --drafts ar \
-        --batch-sizes 32 --out benchmarks/results/batch_offline_long_tail_b32.json
     # the full issue-14 run (hours on a CPU)
     python benchmarks/batch_offline.py --rows 480 --spec-bench-max-new 256 --tail 16 512 \
         --batch-sizes 8 32 --repeats 3 --out benchmarks/results/batch_offline_full.json

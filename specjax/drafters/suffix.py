@@ -54,18 +54,30 @@ def _fmix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def context_hash(windows: jax.Array, log2_slots: int) -> tuple[jax.Array, jax.Array]:
-    """Slot `[...]` int32 in [0, 2**log2_slots) and fingerprint `[...]` uint32 (never 0) of the
-    contexts `windows` `[..., n]` int32 (the order n is part of the hash)."""
-    order = windows.shape[-1]
-    h1 = jnp.full(windows.shape[:-1], 0x811C9DC5 ^ (order * 0x9E3779B9 & 0xFFFFFFFF), jnp.uint32)
-    h2 = jnp.full(windows.shape[:-1], 0x3C6EF372 + order, jnp.uint32)
-    for j in range(order):
-        t = windows[..., j].astype(jnp.uint32)
-        h1 = (h1 ^ t) * jnp.uint32(0x01000193)
-        h2 = _fmix(h2 + t * jnp.uint32(0xCC9E2D51))
+def context_hashes(context: jax.Array, orders: tuple[int, ...], log2_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The contexts of every order at once: for contexts `[..., n_max]` int32 (-1 = before the
+    row start), the last n tokens for each order n of `orders` hash to a slot `[..., O]` int32
+    in [0, 2**log2_slots) and a fingerprint `[..., O]` uint32 (never 0; the order is part of
+    the hash); ok `[..., O]`: the order's window lies inside the row.
+
+    One pass over the n_max positions updates all orders' hashes together (an order's hash
+    starts at its window's first token), so the program holds n_max hash steps, not
+    n_min + ... + n_max.
+    """
+    n_max = context.shape[-1]
+    order = np.asarray(orders, np.int64)
+    lead = context.shape[:-1] + (len(orders),)
+    h1 = jnp.broadcast_to(jnp.asarray((0x811C9DC5 ^ (order * 0x9E3779B9 & 0xFFFFFFFF)).astype(np.uint32)), lead)
+    h2 = jnp.broadcast_to(jnp.asarray((0x3C6EF372 + order).astype(np.uint32)), lead)
+    for j in range(n_max):
+        inside = jnp.asarray(j >= n_max - order)  # [O] static: position j is in the order's window
+        t = context[..., j, None].astype(jnp.uint32)
+        h1 = jnp.where(inside, (h1 ^ t) * jnp.uint32(0x01000193), h1)
+        h2 = jnp.where(inside, _fmix(h2 + t * jnp.uint32(0xCC9E2D51)), h2)
+    in_window = np.arange(n_max)[None, :] >= n_max - order[:, None]  # [O, n_max]
+    ok = jnp.all((context[..., None, :] >= 0) | ~in_window, axis=-1)
     slot = _fmix(h1) >> (32 - log2_slots)
-    return slot.astype(jnp.int32), _fmix(h2 ^ jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
+    return slot.astype(jnp.int32), _fmix(h2 ^ jnp.uint32(0x9E3779B9)) | jnp.uint32(1), ok
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -172,13 +184,10 @@ def observe(
     new = (ends >= seen[:, None]) & (ends < num_tokens[:, None])
     nxt = jnp.take_along_axis(tokens, jnp.clip(ends, 0, tokens.shape[1] - 1), axis=1)
     context = windows_before(tokens, ends, max(orders))  # [B, S, n_max]
-    slots, fps, succ, oks = [], [], [], []
-    for n in orders:
-        window = context[..., -n:]
-        slot, fp = context_hash(window, log2_slots)
-        slots.append(slot), fps.append(fp), succ.append(nxt)
-        oks.append(new & jnp.all(window >= 0, axis=-1))
-    flat = lambda xs: jnp.stack(xs).reshape(-1)
+    slots, fps, oks = context_hashes(context, orders, log2_slots)  # [B, S, O]
+    oks = oks & new[..., None]
+    succ = jnp.broadcast_to(nxt[..., None], oks.shape)
+    flat = lambda x: jnp.moveaxis(x, -1, 0).reshape(-1)  # order-major
     return insert(table, flat(slots), flat(fps), flat(succ), flat(oks))
 
 
@@ -191,17 +200,16 @@ def ranked_successors(
     `[..., k]` bool and prob `[..., k]` f32 (count / total of the order that ranked it).
     """
     log2_slots = table.num_slots.bit_length() - 1
-    tokens, scores, probs = [], [], []
-    for weight, n in enumerate(sorted(orders)):
-        window = context[..., -n:]
-        slot, fp = context_hash(window, log2_slots)
-        hit = (table.keys[slot] == fp) & jnp.all(window >= 0, axis=-1)
-        count = jnp.where(hit[..., None], table.counts[slot], 0)  # [..., M]
-        total = jnp.maximum(jnp.sum(count, axis=-1, keepdims=True), 1)
-        tokens.append(table.tokens[slot])
-        scores.append(jnp.where(count > 0, weight * ORDER_WEIGHT + count, -1))
-        probs.append(count / total)
-    tokens, scores, probs = (jnp.concatenate(x, axis=-1) for x in (tokens, scores, probs))
+    orders = tuple(sorted(orders))
+    slot, fp, ok = context_hashes(context, orders, log2_slots)  # [..., O]
+    hit = (table.keys[slot] == fp) & ok
+    count = jnp.where(hit[..., None], table.counts[slot], 0)  # [..., O, M]
+    total = jnp.maximum(jnp.sum(count, axis=-1, keepdims=True), 1)
+    weight = jnp.arange(len(orders))[:, None] * ORDER_WEIGHT  # longer orders rank first
+    flat = lambda x: x.reshape(x.shape[:-2] + (-1,))  # [..., O * M], order-major
+    tokens = flat(table.tokens[slot])
+    scores = flat(jnp.where(count > 0, weight + count, -1))
+    probs = flat(count / total)
     scores, order = jax.lax.top_k(scores, scores.shape[-1])
     tokens = jnp.take_along_axis(tokens, order, axis=-1)
     probs = jnp.take_along_axis(probs, order, axis=-1)

@@ -7,7 +7,8 @@ plain decoding vs each drafter, side by side in one process.
 Each round compiles AR, then each drafter (a chain of 4), for every batch size: the program is
 lowered and compiled with JAX's ahead-of-time path after `jax.clear_caches()` (the persistent
 compilation cache is not set up here), so each number is a first-time compile in a warm
-process. Prints the minimum over rounds per program and its ratio to AR at the same batch size
+process. Prints the minimum over rounds per program, wall and CPU seconds (CPU: what other jobs on a
+shared machine disturb least), and its ratio to AR at the same batch size
 (issue 20's target: a spec program within 1.5x the AR program). `benchmarks/compile_time.py`
 measures the static-batch programs (`--no-refill`) in more detail.
 """
@@ -29,8 +30,10 @@ from specjax.target import as_target
 from specjax.tree import chain
 
 
-def compile_seconds(model, drafter, drafter_params, batch: int, prompt_width: int, max_new: int) -> float:
-    """Seconds to lower and compile the refill program of this drafter (None: AR) at `batch` slots."""
+def compile_seconds(model, drafter, drafter_params, batch: int, prompt_width: int, max_new: int) -> tuple[float, float]:
+    """(wall, CPU) seconds to lower and compile the refill program of this drafter (None: AR) at
+    `batch` slots. CPU seconds (all threads of this process) are what a shared machine's
+    other jobs disturb least."""
     width = bucket(prompt_width) + bucket(max_new) + draft_margin(None if drafter is None else drafter.tree)
     queue = PromptQueue.build([[1, 2, 3]], max_new, np.zeros((1, 2), np.uint32), CHUNK_BATCHES * batch,
                               bucket(prompt_width))
@@ -38,11 +41,11 @@ def compile_seconds(model, drafter, drafter_params, batch: int, prompt_width: in
     slots = slots_program(drafter, drafter_params, as_target(model.cfg).init_cache(batch, width), carry,
                           width=width)
     jax.clear_caches()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     refill_program.lower(model.cfg, model.params, drafter, drafter_params, queue, slots,
                          SamplingParams.make(0.0), StopCriteria.make(model.cfg.eos_token_ids), True,
                          policy=RefillPolicy()).compile()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv=None) -> int:
@@ -59,17 +62,18 @@ def main(argv=None) -> int:
     drafters = {"ar": (None, None)} | {
         name: make_drafter(name, tree=chain(4), target=model, target_cfg=model.cfg,
                            target_params=model.params) for name in args.drafts}
-    seconds: dict[tuple[int, str], list[float]] = {}
+    seconds: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for batch in args.batches:
             for name, (drafter, dparams) in drafters.items():
                 seconds.setdefault((batch, name), []).append(
                     compile_seconds(model, drafter, dparams, batch, args.prompt_width, args.max_new))
     for batch in args.batches:
-        ar = min(seconds[(batch, "ar")])
+        ar_wall, ar_cpu = (min(s[i] for s in seconds[(batch, "ar")]) for i in (0, 1))
         for name in drafters:
-            best = min(seconds[(batch, name)])
-            print(f"B={batch:<3d} {name:12s} {best:6.1f} s  x{best / ar:.2f} AR")
+            wall, cpu = (min(s[i] for s in seconds[(batch, name)]) for i in (0, 1))
+            print(f"B={batch:<3d} {name:12s} wall {wall:6.1f} s  x{wall / ar_wall:.2f} AR   "
+                  f"CPU {cpu:6.1f} s  x{cpu / ar_cpu:.2f} AR")
     return 0
 
 

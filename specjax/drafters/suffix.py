@@ -54,28 +54,36 @@ def _fmix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def _multipliers(orders: tuple[int, ...], n_max: int, base: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per order, the weight of each of the n_max context positions in a polynomial hash (base
+    to the power of the distance from the end, 0 outside the order's window) `[O, n_max]`
+    uint32, and the order's start value `[O]` uint32 (the order is part of the hash)."""
+    order = np.asarray(orders, np.uint64)
+    distance = np.arange(n_max - 1, -1, -1, dtype=np.uint64)
+    powers = np.array([pow(base, int(d), 1 << 32) for d in distance], np.uint64)
+    inside = distance[None, :] < order[:, None]
+    start = (seed + order * np.uint64(0x9E3779B9)) % np.uint64(1 << 32)
+    return np.where(inside, powers[None, :], 0).astype(np.uint32), start.astype(np.uint32)
+
+
 def context_hashes(context: jax.Array, orders: tuple[int, ...], log2_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The contexts of every order at once: for contexts `[..., n_max]` int32 (-1 = before the
     row start), the last n tokens for each order n of `orders` hash to a slot `[..., O]` int32
-    in [0, 2**log2_slots) and a fingerprint `[..., O]` uint32 (never 0; the order is part of
-    the hash); ok `[..., O]`: the order's window lies inside the row.
+    in [0, 2**log2_slots) and a fingerprint `[..., O]` uint32 (never 0); ok `[..., O]`: the
+    order's window lies inside the row.
 
-    One pass over the n_max positions updates all orders' hashes together (an order's hash
-    starts at its window's first token), so the program holds n_max hash steps, not
-    n_min + ... + n_max.
+    Two polynomial hashes of the window (wrapping uint32 arithmetic, different bases and
+    seeds), each finished by MurmurHash3's mixer: a multiply and a sum over the positions for
+    all orders together, so the program holds a handful of operations per call, not a hash
+    step per token and order.
     """
     n_max = context.shape[-1]
-    order = np.asarray(orders, np.int64)
-    lead = context.shape[:-1] + (len(orders),)
-    h1 = jnp.broadcast_to(jnp.asarray((0x811C9DC5 ^ (order * 0x9E3779B9 & 0xFFFFFFFF)).astype(np.uint32)), lead)
-    h2 = jnp.broadcast_to(jnp.asarray((0x3C6EF372 + order).astype(np.uint32)), lead)
-    for j in range(n_max):
-        inside = jnp.asarray(j >= n_max - order)  # [O] static: position j is in the order's window
-        t = context[..., j, None].astype(jnp.uint32)
-        h1 = jnp.where(inside, (h1 ^ t) * jnp.uint32(0x01000193), h1)
-        h2 = jnp.where(inside, _fmix(h2 + t * jnp.uint32(0xCC9E2D51)), h2)
-    in_window = np.arange(n_max)[None, :] >= n_max - order[:, None]  # [O, n_max]
-    ok = jnp.all((context[..., None, :] >= 0) | ~in_window, axis=-1)
+    weights1, start1 = _multipliers(orders, n_max, 0x01000193, 0x811C9DC5)
+    weights2, start2 = _multipliers(orders, n_max, 0xCC9E2D51, 0x3C6EF372)
+    tokens = context[..., None, :].astype(jnp.uint32)  # [..., 1, n_max]
+    h1 = jnp.sum(tokens * weights1, axis=-1, dtype=jnp.uint32) + start1
+    h2 = jnp.sum(tokens * weights2, axis=-1, dtype=jnp.uint32) + start2
+    ok = jnp.all((context[..., None, :] >= 0) | (weights1 == 0), axis=-1)
     slot = _fmix(h1) >> (32 - log2_slots)
     return slot.astype(jnp.int32), _fmix(h2 ^ jnp.uint32(0x9E3779B9)) | jnp.uint32(1), ok
 

@@ -114,6 +114,17 @@ def residual(r: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.where(mass > 0.0, diff / jnp.where(mass > 0.0, mass, 1.0), r)
 
 
+def without_nonfinite_nodes(draft: Draft) -> Draft:
+    """The draft with every node whose reported distribution `probs [B, N, V]` holds a NaN or
+    Inf made invalid (a drafter that overflowed, or a bad head): such a node is never accepted
+    and its q never enters a residual, so the step stays lossless and only loses speed (the
+    target draws that token itself). Without this, q = NaN would turn the residual and so the
+    emitted token into garbage that looks like an answer."""
+    if draft.probs is None:
+        return draft
+    return draft.replace(valid=draft.valid & jnp.all(jnp.isfinite(draft.probs), axis=-1))
+
+
 def draft_distributions(draft: Draft, vocab_size: int, nodes=slice(None)) -> jax.Array:
     """`[B, R, V]` f32 q of the selected nodes (default all, R = N): draft.probs, or one-hot at
     the drafted token when draft.probs is None (built per use, so XLA can fuse it away)."""

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.accept import without_nonfinite_nodes
 from specjax.commit import accepted_tokens, commit
 from specjax.metrics import SpecMetrics
 from specjax.models.cache import KVCache
@@ -321,6 +322,7 @@ def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state:
     batch = state.tokens.shape[0]
     propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
+    draft = without_nonfinite_nodes(draft)
     root = state.last_token
     target_out = verify(target, params, state.cache, root, draft, tree, drafter.hidden_layers)
     result = drafter.accept(drafter_params, accept_key, target_out.logits, draft, sampling)

@@ -181,7 +181,7 @@ def hf_config(cfg: ModelConfig, arch: str | None = None) -> dict:
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": 1,
         "eos_token_id": 2,
     }

@@ -291,3 +291,16 @@ def test_cli_rerun_after_a_failed_run_regenerates_and_trains(prompts, tmp_path, 
     assert {"data", "drafter.json", "metrics.jsonl", "checkpoints"} <= {p.name for p in out.iterdir()}
     assert not (out / STAGING_DIR).exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [2]
+
+
+def test_seq_len_past_the_targets_context_is_refused_before_generating(prompts, tmp_path, capsys):
+    from helpers import tiny_vocab, write_hf
+
+    cfg = tiny_config(vocab_size=len(tiny_vocab()[0]), max_position_embeddings=32)
+    model_dir = write_hf(tmp_path / "tiny", cfg, init_params(cfg, jax.random.PRNGKey(0)))
+    out = tmp_path / "run"
+    argv = train_argv(prompts, out, "--model", str(model_dir), "--seq-len", "64")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--seq-len 64" in err and "32 positions" in err and "\n" not in err
+    assert list(out.iterdir()) == []

@@ -121,11 +121,14 @@ def check_out_folder(out: Path, resume: bool) -> None:
 
 def check_against_target(args, cfg) -> None:
     """The head options make a head for the loaded target (e.g. --draft-vocab at most its
-    vocabulary), checked before the data is generated."""
+    vocabulary) and --seq-len fits its context, checked before the data is generated."""
     try:
         make_head_config(args.kind, cfg, **head_options(args))
     except ValueError as e:
         raise InputError(f"--kind {args.kind} for {cfg.name}: {e}") from None
+    if args.seq_len > cfg.max_position_embeddings:
+        raise InputError(f"--seq-len {args.seq_len} is longer than {cfg.name}'s context "
+                         f"({cfg.max_position_embeddings} positions): pass at most that")
 
 
 def cmd_train_drafter(args) -> int:

@@ -867,14 +867,18 @@ def truncate_at_stop(
     return text[:cut], token_ids[:keep], "stop"
 
 
-def loaded(model, dtype: str, mesh=None):
+def loaded(model, dtype: str, mesh=None, quantize: str | None = None):
     """A loaded model (cfg, params, tokenizer) from itself or a name / path to load
-    (`specjax.models.hub.load_model`; on a mesh, each weight straight into its shards)."""
+    (`specjax.models.hub.load_model`; on a mesh, each weight straight into its shards;
+    `quantize`: its weight-only quantization, `docs/quantization.md`)."""
     if isinstance(model, (str, os.PathLike)):
-        return load_model(model, dtype=dtype, shardings=loader_shardings(mesh))
+        return load_model(model, dtype=dtype, shardings=loader_shardings(mesh), quantize=quantize)
     if not all(hasattr(model, part) for part in ("cfg", "params", "tokenizer")):
         raise TypeError("model must be a name, a path or a loaded model (specjax.load), got "
                         f"{describe(model)}")
+    if quantize is not None:
+        raise ValueError("quantize= applies to a model loaded by name or path; quantize a loaded "
+                         "one with specjax.load(..., quantize=)")
     return model
 
 

@@ -40,15 +40,16 @@ def _ray():
 
 class Generator:
     """A callable class for `ray.data.Dataset.map_batches`: loads the model once per actor
-    (`specjax.load`, on the actor's devices; `mesh` spreads it over them) and generates each
+    (`specjax.load`, on the actor's devices; `mesh` spreads it over them; `quantize`: int8 /
+    int4 / fp8 weights) and generates each
     block's "prompt" column with `options` (`specjax.generate`'s: draft, num_draft,
     max_new_tokens, temperature, seed, chat, batch_size, ...). The block's "id" column (its
     row index when absent) keys each prompt's randomness."""
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", mesh=None,
-                 **options: Any):
+                 quantize: str | None = None, **options: Any):
         self.mesh = as_mesh(mesh)
-        self.model = api.loaded(model, dtype, self.mesh)
+        self.model = api.loaded(model, dtype, self.mesh, quantize)
         self.options = options
 
     def __call__(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -52,6 +52,24 @@ def test_ray_job_writes_the_rows_of_generate(tmp_path, tiny_model, local_ray):
     assert len({tuple(r["token_ids"]) for r in got}) > 1
 
 
+def test_ray_cli_with_tree_and_quantize_writes_the_rows_of_one_process(tmp_path, tiny_model, local_ray):
+    """--ray with --tree and --quantize int8 (greedy): the actors load the same quantized target
+    and draft the same tree, so the rows equal the one-process run's."""
+    cfg, params = tiny_model
+    write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n"
+                               for i, text in enumerate(PROMPTS[:4])))
+    argv = ["generate", "--model", str(tmp_path / "tiny.gguf"), "--prompts", str(prompts),
+            "--max-new-tokens", "5", "--batch-size", "2", "--no-chat", "--draft", "ngram",
+            "--tree", "kary_2x2x2", "--quantize", "int8"]
+    assert cli_main(argv + ["--out", str(tmp_path / "one.jsonl")]) == 0
+    assert cli_main(argv + ["--out", str(tmp_path / "ray.jsonl"), "--ray", "2"]) == 0
+    expected, got = rows_of(tmp_path / "one.jsonl"), rows_of(tmp_path / "ray.jsonl")
+    keys = ("id", "prompt", "token_ids", "completion", "stop_reason", "spec")  # spec: the tree's depths
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
 def test_ray_option_needs_a_prompt_file_and_a_new_out(capsys):
     assert cli_main(["generate", "--prompt", "hi", "--ray", "2"]) == 2
     assert "--ray runs a --prompts file into a new --out" in capsys.readouterr().err

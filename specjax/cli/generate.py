@@ -133,17 +133,18 @@ def cmd_generate_on_ray(args) -> int:
     file's order."""
     if args.prompts is None or args.out is None or args.resume:
         raise InputError("--ray runs a --prompts file into a new --out (no --resume)")
-    if args.mesh is not None or args.tuned or args.tree or args.quantize:
-        raise InputError("--ray: --mesh, --tuned, --tree and --quantize are not supported there yet")
+    draft_shape(args)  # --draft / --num-draft / --tree / --tuned checked before Ray starts
+    load_tuned(args)
     check_output_path(args.out, "--out")
     import specjax.ray  # the optional ray extra, only this option needs it
 
     count = specjax.ray.run_job(
         args.prompts, args.out, actors=args.ray, block_rows=args.batch_size, model=args.model,
-        dtype=args.dtype, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        dtype=args.dtype, mesh=args.mesh, quantize=args.quantize,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
         chat=not args.no_chat, batch_size=args.batch_size, draft=args.draft,
-        num_draft=args.num_draft)
+        num_draft=None if args.tree else args.num_draft, tree=args.tree, schedule=args.tuned)
     print(f"{count} rows from {args.ray} Ray actors -> {args.out}", file=sys.stderr)
     return 0
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths
+from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.hub import cache_dir
 from specjax.sampling import SamplingParams
@@ -176,11 +176,12 @@ def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...])
 def auto_drafter(target, params, drafter, drafter_params, batch_size: int,
                  profile: dict | None = None, log: Callable[[str], None] = stderr_line):
     """(AutoDrafter, AutoParams) driving `drafter` at `batch_size` rows: its branches (the
-    plain step, `auto_lengths` chains) and their step costs (from `profile`, a latency profile
-    dict, when given; else cached or measured, `step_costs`)."""
+    plain step, `auto_lengths` chains up to what the drafter can draft, `auto_max_draft`) and
+    their step costs (from `profile`, a latency profile dict, when given; else cached or
+    measured, `step_costs`)."""
     cfg = getattr(target, "cfg", target)
     group = getattr(cfg, "group_size", None)
-    auto = AutoDrafter.wrap(drafter, auto_lengths(group))
+    auto = AutoDrafter.wrap(drafter, auto_lengths(group, auto_max_draft(drafter)))
     if profile is not None:
         step_s = costs_from_profile(profile, batch_size, auto.lengths)
     else:

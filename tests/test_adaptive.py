@@ -22,12 +22,16 @@ from specjax.drafters.auto import (
     AutoDrafter,
     AutoParams,
     auto_lengths,
+    auto_max_draft,
     observations,
     updated_estimate,
 )
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.forced import ForcedDrafter
+from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
+from specjax.metrics import job_summary
 from specjax.models.llama import init_params
 from specjax.options import draft_choice
 from specjax.tree import chain
@@ -80,6 +84,95 @@ def test_greedy_auto_visiting_every_branch_equals_plain_greedy(kind, refill):
     results = run(drafter, params, refill)
     assert [r.token_ids for r in results] == plain()
     assert sorted(histogram(results), key=int) == [str(d) for d in drafter.lengths]
+
+
+LEARNED = ("eagle3", "mtp", "medusa", "dflash", "dspark")
+
+
+def learned(kind: str):
+    """(drafter, params): an untrained head of test_learned_drafters (depth 3) on model()."""
+    from test_learned_drafters import untrained
+
+    cfg, params = model()
+    return untrained(kind, cfg, params, chain(1))
+
+
+def stateful(kind: str):
+    """(drafter on a chain of 1, its params) of a stateful drafter kind on model()."""
+    cfg, params = model()
+    if kind == "layerskip":
+        return layerskip_drafter(chain(1), cfg, 1), params
+    if kind == "draft_model":
+        draft_cfg = tiny_config(vocab_size=16, num_layers=1, name="tiny-draft")
+        return DraftModelDrafter(tree=chain(1), cfg=draft_cfg), init_params(draft_cfg, jax.random.PRNGKey(5))
+    return learned(kind)
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "draft_model", *LEARNED])
+def test_greedy_auto_of_stateful_drafters_visiting_every_branch_equals_plain_greedy(kind):
+    inner, inner_params = stateful(kind)
+    lengths = auto_lengths(None, auto_max_draft(inner, 4))
+    drafter = AutoDrafter.wrap(inner, lengths, rotate=True)
+    params = AutoParams(inner=inner_params, step_s=jnp.ones(len(lengths)))
+    results = run(drafter, params, refill=True)
+    assert [r.token_ids for r in results] == plain()
+    assert sorted(histogram(results), key=int) == [str(d) for d in drafter.lengths]
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_a_perfect_draft_model_stays_in_step_through_every_branch(refill):
+    """layerskip over all the target's layers drafts what the target picks: while the switch
+    changes the chain length (and runs plain steps) every drafted token must be accepted,
+    which holds only when the draft cache stays valid across shapes."""
+    cfg, params = model()
+    lengths = (0, 1, 3, 4)
+    drafter = AutoDrafter.wrap(layerskip_drafter(chain(1), cfg, cfg.num_layers), lengths, rotate=True)
+    results = run(drafter, AutoParams(inner=params, step_s=jnp.ones(len(lengths))), refill)
+    assert [r.token_ids for r in results] == plain()
+    summary = job_summary([r.spec for r in results])
+    assert summary["drafted"] > 0 and summary["accepted"] == summary["drafted"], summary
+
+
+def proposal_after(drafter: AutoDrafter, inner_params, prompt: list[int], branches, width=64):
+    """(the committed tokens, the chain the inner drafter proposes next `[D]`, the draft
+    distributions it drew them from `[D, V]`) after prefilling `prompt` (one row) and running
+    the auto branches `branches` (indices) in turn, greedy."""
+    from specjax.auto_costs import _forced_steps
+    from specjax.loop import StopCriteria, spec_start_program
+    from specjax.models.cache import init_cache
+    from specjax.sampling import SamplingParams
+
+    cfg, params = model()
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    auto_params = AutoParams(inner=inner_params, step_s=jnp.ones(len(drafter.lengths)))
+    started = spec_start_program(
+        cfg, params, drafter, auto_params, jnp.asarray([prompt], jnp.int32),
+        jnp.asarray([len(prompt)], jnp.int32), jnp.asarray([width // 2], jnp.int32),
+        init_cache(cfg, 1, width), jax.random.PRNGKey(0), sampling, criteria, (), width=width)
+    for b in branches:
+        started = _forced_steps(cfg, params, drafter, auto_params, started, jnp.int32(b), sampling,
+                                criteria, steps=1)
+    state, drafter_state, _ = started
+    longest = drafter.shaped(max(drafter.lengths))
+    draft, _ = longest.propose(inner_params, drafter_state.inner, state, jax.random.PRNGKey(1), sampling)
+    committed = [int(t) for t in state.tokens[0, : int(state.num_tokens[0])]]
+    return committed, [int(t) for t in draft.tokens[0]], np.asarray(draft.probs[0])
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "draft_model", *LEARNED])
+def test_the_drafter_state_after_switching_shapes_is_what_a_fresh_prefill_gives(kind):
+    """A drafter's state depends on the committed tokens only, not on the shapes that committed
+    them: after a history of chains of every length and plain steps, the next draft equals the
+    draft of a fresh job whose prompt is the committed prefix (a stale cache or a missed
+    update in a branch breaks it)."""
+    inner, inner_params = stateful(kind)
+    lengths = auto_lengths(None, auto_max_draft(inner, 4))
+    drafter = AutoDrafter.wrap(inner, lengths)
+    history = [len(lengths) - 1, 0, 1, 0, 0, len(lengths) - 2, 0, len(lengths) - 1, 1, 0]
+    committed, draft, probs = proposal_after(drafter, inner_params, PROMPTS[0], history)
+    fresh_committed, fresh, fresh_probs = proposal_after(drafter, inner_params, committed[:-1], [])
+    assert fresh_committed == committed and fresh == draft
+    np.testing.assert_allclose(probs, fresh_probs, atol=1e-4)
 
 
 def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
@@ -243,18 +336,34 @@ def test_costs_from_a_latency_profile():
 # ---- options --------------------------------------------------------------------------------------
 
 
-def test_auto_is_the_default_for_ngram_and_suffix_specs_only():
-    assert draft_choice("ngram").auto and draft_choice("suffix:1-4").auto
-    assert draft_choice("ngram", num_draft="auto").auto
-    assert not draft_choice("ngram", num_draft=4).auto
-    assert not draft_choice("ngram", tree="kary_2x2x2").auto
-    assert not draft_choice("layerskip:1").auto and draft_choice("layerskip:1").tree.num_nodes == 4
-    with pytest.raises(ValueError, match="num_draft='auto' needs"):
-        draft_choice("layerskip:1", num_draft="auto")
+@pytest.mark.parametrize("spec", ["ngram", "suffix:1-4", "layerskip:1", "model:tiny",
+                                  "eagle3:dir", "mtp:dir", "medusa:dir", "dflash:dir", "dspark:dir"])
+def test_auto_is_the_greedy_default_for_every_drafter_kind(spec):
+    assert draft_choice(spec).auto and draft_choice(spec, num_draft="auto").auto
+    assert not draft_choice(spec, num_draft=4).auto
+    assert not draft_choice(spec, tree="kary_2x2x2").auto
+    assert not draft_choice(spec, sampled=True).auto and draft_choice(spec, sampled=True).tree.num_nodes == 4
+    assert draft_choice(spec, num_draft="auto", sampled=True).auto
+
+
+def test_auto_option_rules():
+    assert not draft_choice("forced:0.5").auto and draft_choice("forced:0.5").tree.num_nodes == 4
+    with pytest.raises(ValueError, match="does not drive the forced drafter"):
+        draft_choice("forced:0.5", num_draft="auto")
     with pytest.raises(ValueError, match="not both"):
         draft_choice("ngram", num_draft="auto", tree="kary_2x2x2")
+    drafter = DraftModelDrafter(tree=chain(2), cfg=tiny_config())
+    assert draft_choice(drafter, num_draft="auto").tree == chain(8)
     with pytest.raises(ValueError, match="num_draft='auto' needs"):
-        draft_choice(DraftModelDrafter(tree=chain(2), cfg=tiny_config()), num_draft="auto")
+        draft_choice(ForcedDrafter(tree=chain(2)), num_draft="auto")
+
+
+def test_a_drafter_that_drafts_less_deep_gets_shorter_chains():
+    cfg, params = model()
+    drafter, _ = learned("medusa")  # 3 heads
+    assert auto_max_draft(drafter) == 3 and auto_lengths(None, 3) == (0, 1, 2, 3)
+    assert draft_choice(drafter, num_draft="auto").tree == chain(3)
+    assert auto_max_draft(NgramDrafter(tree=chain(1))) == 8
 
 
 def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):

@@ -1,14 +1,21 @@
 """`num_draft="auto"`: the draft shape picked every step, inside the program.
 
 `AutoDrafter` wraps a drafter whose state does not depend on its draft tree
-(`Drafter.shape_free_state`: n-gram, suffix). Its step (`switched_step`, which `loop.spec_step`
+(`Drafter.shape_free_state`: n-gram, suffix, a draft model, layerskip and every learned head,
+EAGLE-3, MTP, Medusa, DFlash, DSpark; not the measurement drafter `forced`). Its step (`switched_step`, which `loop.spec_step`
 runs for it) is ONE `lax.switch` over a few chain lengths `lengths` (0 = a plain decoding
 step), every branch the whole step of that shape on the same operands:
 
 - D > 0: `loop.fixed_spec_step` of the inner drafter re-shaped to a chain of D (the state is
   the same pytree for every D, so each branch reads and writes it as it is);
-- D = 0: `loop.ar_step_out`, plus the inner drafter's chain-of-1 proposal, only to observe
-  whether its first token would have been accepted (no verify cost), and its `update`.
+- D = 0: `loop.ar_step_out`, plus the inner drafter's chain-of-1 proposal, to observe
+  whether its first token would have been accepted (no verify cost), and its `update` with
+  the root's row as the accepted path. The proposal also keeps stateful drafters in step: a
+  draft model re-feeds the last two committed tokens there, so its cache stays valid below
+  `num_tokens - 2` as after any spec step; the learned heads ingest the root's features.
+
+The candidate chain lengths are those the drafter can produce: `auto_lengths` up to
+`auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): E[tokens per step](D) from the running estimate of this job's conditional
@@ -43,12 +50,20 @@ BASE_LENGTHS = (0, 1, 2, 4, 8)
 TILE_ROWS = 128
 
 
+def auto_max_draft(drafter: Drafter, longest: int = max(BASE_LENGTHS)) -> int:
+    """The longest chain auto compiles for `drafter`: `longest`, or less when the drafter
+    cannot draft that deep (`Drafter.deepest_draft`)."""
+    deepest = drafter.deepest_draft
+    return longest if deepest is None else max(1, min(longest, deepest))
+
+
 def auto_lengths(group_size: int | None, max_draft: int = max(BASE_LENGTHS)) -> tuple[int, ...]:
-    """The chain lengths auto compiles: `BASE_LENGTHS`, plus 128/G - 1 and the D with G(1 + D)
-    a multiple of 128 where they fall in 1..max_draft (G: query heads per KV head)."""
-    extra = set()
+    """The chain lengths auto compiles: `BASE_LENGTHS` up to max_draft, max_draft itself (a
+    drafter's deepest chain, e.g. a Medusa head's head count), plus 128/G - 1 and the D with
+    G(1 + D) a multiple of 128 where they fall in 1..max_draft (G: query heads per KV head)."""
+    extra = {max_draft}
     if group_size:
-        extra = {TILE_ROWS // group_size - 1} | {
+        extra |= {TILE_ROWS // group_size - 1} | {
             d for d in range(1, max_draft + 1) if group_size * (1 + d) % TILE_ROWS == 0}
     return tuple(sorted({d for d in BASE_LENGTHS + tuple(extra) if 0 <= d <= max_draft}))
 
@@ -86,7 +101,7 @@ class AutoDrafter(Drafter):
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
             raise ValueError("auto needs a drafter whose state does not depend on its tree "
-                             f"(n-gram, suffix), got {self.inner and self.inner.name}")
+                             f"(Drafter.shape_free_state), got {self.inner and self.inner.name}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
             raise ValueError(f"auto lengths must be sorted, distinct and include 0, got {self.lengths}")
         if self.tree.max_depth != max(self.lengths) or self.tree.num_nodes != max(self.lengths):

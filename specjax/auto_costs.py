@@ -36,8 +36,9 @@ from specjax.target import as_target
 
 VERSION = 1
 CONTEXT = 64  # prompt tokens cached before the timed steps
-STEPS = 4  # steps per timed call
-REPEATS = 5  # timed calls per branch (medians)
+STEPS = 2  # steps per timed call
+REPEATS = 3  # timed calls per branch (medians), at most
+BUDGET_S = 10.0  # after two turns over the branches, no further turn once the timed calls took this
 
 
 def stderr_line(message: str) -> None:
@@ -104,9 +105,15 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
 
 
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
-                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS) -> list[float]:
+                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
+                       budget_s: float = BUDGET_S, phases: dict | None = None) -> list[float]:
     """`[S]` median seconds of one step of each branch of `drafter` at `batch_size` rows with
-    `context` tokens cached (rows repeating a short motif, so drafters find matches)."""
+    `context` tokens cached (rows repeating a short motif, so drafters find matches).
+
+    One program serves every branch (the branch index is an argument): it compiles once, on
+    the first call. The branches are then timed in turns, `steps` steps per call, `repeats`
+    turns at most; past two turns, none starts once the timed calls took `budget_s`.
+    phases: when given, gets "first_call_s" (compile + one call) and "timed_s"."""
     lengths = drafter.lengths
     width = context + (steps + 2) * (max(lengths) + 1)
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
@@ -120,13 +127,22 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     started = start()
     run = lambda b: jax.block_until_ready(_forced_steps(
         target, params, drafter, params_, started, jnp.int32(b), sampling, criteria, steps=steps))
+    first = time.perf_counter()
     run(0)  # compiles (one program for every branch)
+    first = time.perf_counter() - first
     times: list[list[float]] = [[] for _ in lengths]
-    for _ in range(repeats):
+    timed = 0.0
+    for turn in range(repeats):
+        if turn >= 2 and timed >= budget_s:
+            break
         for b in range(len(lengths)):
             begin = time.perf_counter()
             run(b)
-            times[b].append((time.perf_counter() - begin) / steps)
+            elapsed = time.perf_counter() - begin
+            timed += elapsed
+            times[b].append(elapsed / steps)
+    if phases is not None:
+        phases.update(first_call_s=first, timed_s=timed)
     return [statistics.median(t) for t in times]
 
 

@@ -34,7 +34,7 @@ from specjax.drafters.suffix import SuffixDrafter
 from specjax.metrics import job_summary
 from specjax.models.llama import init_params
 from specjax.options import draft_choice
-from specjax.tree import chain
+from specjax.tree import chain, k_ary
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3, 1], [5, 5, 5, 5],
            [9, 3, 9, 3, 9]]
@@ -204,12 +204,16 @@ def test_the_pick_follows_the_estimate_and_the_active_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rotate", [True, False], ids=["rotate", "picked"])
+@pytest.mark.parametrize("rotate", [True, False, "tree"], ids=["rotate", "picked", "rotate-tree"])
 def test_sampling_with_auto_matches_plain_sampling(rotate):
     from test_lossless_e2e import PROMPT, TEMPERATURE, TOP_K, TOP_P, models
 
     target_cfg, target_params, _, _ = models()
-    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2), rotate=rotate)
+    if rotate == "tree":  # step % 3: D = 0, then the tree (top-2, then top-1 after each)
+        drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 2), trees=(k_ary((2, 1)),),
+                                   rotate=True)
+    else:
+        drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2), rotate=rotate)
     # picked: plain steps cost more than drafting, so the spec branches run from the start
     params = AutoParams(inner=None, step_s=jnp.asarray([3.0, 1.0, 1.0]))
     samples = []
@@ -221,7 +225,9 @@ def test_sampling_with_auto_matches_plain_sampling(rotate):
     stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
     hist = histogram(out)
-    if rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
+    if rotate == "tree":
+        assert sorted(hist) == ["0", "tree0"]
+    elif rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
         assert sorted(hist) == ["0", "1"]
     else:  # picked: the cheap long chain
         assert sorted(hist) == ["2"]
@@ -398,3 +404,74 @@ def test_auto_summaries_are_plain_json():
     assert json.loads(json.dumps(summary)) == {"shape_histogram": {"0": 3, "2": 2},
                                                "predicted_tokens": 7.5, "predicted_s": 2.5,
                                                "predicted_tokens_per_s": 3.0}
+
+
+# ---- tree branches -----------------------------------------------------------------------------
+
+
+def test_a_trees_expected_tokens_come_from_the_depth_and_rank_estimates():
+    from specjax.costmodel import chain_tokens_per_steps, tree_tokens_per_step
+    from specjax.tree import load_tree
+
+    conditional = np.asarray([0.6, 0.5, 0.4, 0.3])
+    assert tree_tokens_per_step(conditional, np.zeros((4, 1)), chain(3)) == pytest.approx(
+        chain_tokens_per_steps(conditional, (3,))[0])
+    # top-2 at every depth, rank-1 conditional 0.5: P(depth j accepted) = q0 + (1 - q0) 0.5
+    got = tree_tokens_per_step(jnp.asarray(conditional), jnp.full((4, 1), 0.5), load_tree("kary_2x2x2"))
+    assert float(got) == pytest.approx(1 + 0.8 + 0.8 * 0.75 + 0.8 * 0.75 * 0.7, rel=1e-6)
+
+
+def test_tree_observations_count_each_rank_reached_and_hit():
+    from specjax.drafters.auto import tree_observations
+    from specjax.tree import load_tree
+
+    tree = load_tree("kary_2x2x2")  # verify rows: 1, 2 depth 1 (ranks 0, 1); 3..6 depth 2
+    rank1 = 1 + tree.children[0][1]  # the root's rank-1 child (verify index)
+    rank1_rank0 = 1 + tree.children[rank1][0]
+    path = jnp.asarray([[0, rank1, rank1_rank0, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
+    reached, hits = tree_observations(jnp.asarray([True, True, False]), path,
+                                      jnp.asarray([2, 0, 1]), tree, max_depth=4, num_ranks=2)
+    # row 0: depth 0 rank 1 hit (rank 0 missed), depth 1 rank 0 hit, depth 2: both children missed
+    # row 1: depth 0, both ranks missed; row 2 inactive
+    np.testing.assert_array_equal(reached, [[2, 2], [1, 0], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(hits, [[0, 1], [1, 0], [0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle3"])
+def test_greedy_auto_with_tree_branches_visiting_every_branch_equals_plain_greedy(kind):
+    from specjax.tree import load_tree
+
+    inner, inner_params = (NgramDrafter(tree=chain(1)), None) if kind == "ngram" else stateful(kind)
+    trees = (load_tree("kary_2x2x2"), k_ary((2, 1), name="2x1"))
+    drafter = AutoDrafter.wrap(inner, (0, 1, 3), trees=trees, rotate=True)
+    assert drafter.tree.num_nodes == 14 and drafter.tree.max_depth == 3
+    params = AutoParams(inner=inner_params, step_s=jnp.ones(5))
+    results = run(drafter, params, refill=True)
+    assert [r.token_ids for r in results] == plain()
+    assert set(histogram(results)) == {"0", "1", "3", "tree0", "tree1"}
+
+
+def test_the_pick_takes_a_tree_when_second_candidates_pay():
+    from specjax.tree import load_tree
+
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 3), trees=(load_tree("kary_2x2x2"),))
+    params = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.1, 1.2, 1.3]))
+    state = drafter.init(params, 2, 16)
+    assert state.siblings.shape == (3, 1)
+    active = jnp.asarray([True, True])
+    weak_top = state.replace(conditional=jnp.full(3, 0.4), siblings=jnp.full((3, 1), 0.9))
+    assert int(jnp.argmax(drafter.predicted(params, weak_top, active)[0])) == 3
+    no_second = weak_top.replace(siblings=jnp.zeros((3, 1)))
+    assert int(jnp.argmax(drafter.predicted(params, no_second, active)[0])) != 3
+
+
+def test_the_profile_times_tree_branches_too():
+    from specjax.tree import load_tree
+
+    cfg, params = model()
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 3), trees=(load_tree("kary_2x2x2"),))
+    phases = {}
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=1, repeats=1, phases=phases)
+    assert len(step_s) == 3 and all(s > 0 for s in step_s) and phases["first_call_s"] > 0
+    key = auto_costs.cost_key(cfg, drafter, 2)
+    assert key["trees"][0][0] == "kary_2x2x2"

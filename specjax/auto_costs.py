@@ -143,7 +143,24 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
             times[b].append(elapsed / steps)
     if phases is not None:
         phases.update(first_call_s=first, timed_s=timed)
-    return [statistics.median(t) for t in times]
+    medians = [statistics.median(t) for t in times]
+    chains = len(drafter.lengths)
+    return monotone(medians[:chains]) + medians[chains:]
+
+
+def monotone(costs: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `costs` in least squares (pool adjacent
+    violators): a chain of D does all a chain of D' < D does and more (more draft tokens, a
+    wider verify), so a longer chain measured cheaper is noise (a loaded machine) and the two
+    are pooled."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for c in costs:
+        blocks.append([c, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int,

@@ -644,7 +644,7 @@ def build_drafter(choice: DraftChoice, target, params, model, dtype: str):
     if choice.spec is None:
         return choice.drafter, choice.params
     return make_drafter(choice.spec, tree=choice.tree, target=model, target_cfg=target,
-                        target_params=params, dtype=drafter_dtype(dtype, target))
+                        target_params=params, dtype=drafter_dtype(dtype, target), auto=choice.auto)
 
 
 def renamed_drafter(draft, drafter):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths
+from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.hub import cache_dir
 from specjax.sampling import SamplingParams
@@ -36,8 +36,9 @@ from specjax.target import as_target
 
 VERSION = 1
 CONTEXT = 64  # prompt tokens cached before the timed steps
-STEPS = 4  # steps per timed call
-REPEATS = 5  # timed calls per branch (medians)
+STEPS = 2  # steps per timed call
+REPEATS = 3  # timed calls per branch (medians), at most
+BUDGET_S = 10.0  # after two turns over the branches, no further turn once the timed calls took this
 
 
 def stderr_line(message: str) -> None:
@@ -54,7 +55,8 @@ def cost_key(target, drafter: AutoDrafter, batch_size: int) -> dict:
     device = jax.devices()[0]
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "model": repr(target), "drafter": repr(drafter.inner), "lengths": list(drafter.lengths),
-            "batch_size": int(batch_size)}
+            "batch_size": int(batch_size)} | (
+        {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 
 
 def cost_path(key: dict) -> Path:
@@ -75,7 +77,7 @@ def cached_costs(path: Path, key: dict) -> tuple[list[float] | None, str | None]
         return None, (f"made for another device or model ({found.get('device_kind', '?')}, "
                       f"batch {found.get('batch_size', '?')})" if isinstance(found, dict) else "foreign")
     step_s = data.get("step_s")
-    if (not isinstance(step_s, list) or len(step_s) != len(key["lengths"])
+    if (not isinstance(step_s, list) or len(step_s) != len(key["lengths"]) + len(key.get("trees", []))
             or not all(isinstance(s, (int, float)) and s > 0 for s in step_s)):
         return None, "malformed step costs"
     return [float(s) for s in step_s], None
@@ -104,15 +106,20 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
 
 
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
-                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS) -> list[float]:
+                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
+                       budget_s: float = BUDGET_S, phases: dict | None = None) -> list[float]:
     """`[S]` median seconds of one step of each branch of `drafter` at `batch_size` rows with
-    `context` tokens cached (rows repeating a short motif, so drafters find matches)."""
-    lengths = drafter.lengths
-    width = context + (steps + 2) * (max(lengths) + 1)
+    `context` tokens cached (rows repeating a short motif, so drafters find matches).
+
+    One program serves every branch (the branch index is an argument): it compiles once, on
+    the first call. The branches are then timed in turns, `steps` steps per call, `repeats`
+    turns at most; past two turns, none starts once the timed calls took `budget_s`.
+    phases: when given, gets "first_call_s" (compile + one call) and "timed_s"."""
+    width = context + (steps + 2) * (drafter.tree.num_nodes + 1)
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
     prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
     sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
-    params_ = AutoParams(inner=inner_params, step_s=jnp.ones((len(lengths),), jnp.float32))
+    params_ = AutoParams(inner=inner_params, step_s=jnp.ones((drafter.num_shapes,), jnp.float32))
     start = lambda: spec_start_program(
         target, params, drafter, params_, prompt, jnp.full((batch_size,), context, jnp.int32),
         jnp.full((batch_size,), width, jnp.int32), as_target(target).init_cache(batch_size, width),
@@ -120,14 +127,40 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     started = start()
     run = lambda b: jax.block_until_ready(_forced_steps(
         target, params, drafter, params_, started, jnp.int32(b), sampling, criteria, steps=steps))
+    first = time.perf_counter()
     run(0)  # compiles (one program for every branch)
-    times: list[list[float]] = [[] for _ in lengths]
-    for _ in range(repeats):
-        for b in range(len(lengths)):
+    first = time.perf_counter() - first
+    times: list[list[float]] = [[] for _ in range(drafter.num_shapes)]
+    timed = 0.0
+    for turn in range(repeats):
+        if turn >= 2 and timed >= budget_s:
+            break
+        for b in range(drafter.num_shapes):
             begin = time.perf_counter()
             run(b)
-            times[b].append((time.perf_counter() - begin) / steps)
-    return [statistics.median(t) for t in times]
+            elapsed = time.perf_counter() - begin
+            timed += elapsed
+            times[b].append(elapsed / steps)
+    if phases is not None:
+        phases.update(first_call_s=first, timed_s=timed)
+    medians = [statistics.median(t) for t in times]
+    chains = len(drafter.lengths)
+    return monotone(medians[:chains]) + medians[chains:]
+
+
+def monotone(costs: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `costs` in least squares (pool adjacent
+    violators): a chain of D does all a chain of D' < D does and more (more draft tokens, a
+    wider verify), so a longer chain measured cheaper is noise (a loaded machine) and the two
+    are pooled."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for c in costs:
+        blocks.append([c, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int,
@@ -140,13 +173,15 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
         return step_s
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
-    log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)} at batch "
+    trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
+    log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
         f"{batch_size} on {key['device_kind']} (once per device, model, dtype and batch size)")
     begin = time.perf_counter()
     step_s = profile_step_costs(target, params, drafter, inner_params, batch_size)
     seconds = time.perf_counter() - begin
+    names = [f"D={d}" for d in drafter.lengths] + [f"tree{i}" for i in range(len(drafter.trees))]
     log(f"auto: profiled in {seconds:.1f} s (" + ", ".join(
-        f"D={d}: {s * 1e3:.2f} ms" for d, s in zip(drafter.lengths, step_s)) + f"), kept in {path}")
+        f"{n}: {s * 1e3:.2f} ms" for n, s in zip(names, step_s)) + f"), kept in {path}")
     try:
         write_costs(path, key, step_s, seconds)
     except OSError as err:
@@ -174,14 +209,17 @@ def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...])
 
 
 def auto_drafter(target, params, drafter, drafter_params, batch_size: int,
-                 profile: dict | None = None, log: Callable[[str], None] = stderr_line):
+                 profile: dict | None = None, log: Callable[[str], None] = stderr_line,
+                 trees: tuple = ()):
     """(AutoDrafter, AutoParams) driving `drafter` at `batch_size` rows: its branches (the
-    plain step, `auto_lengths` chains) and their step costs (from `profile`, a latency profile
-    dict, when given; else cached or measured, `step_costs`)."""
+    plain step, `auto_lengths` chains up to what the drafter can draft, `auto_max_draft`) and
+    their step costs (from `profile`, a latency profile dict, when given; else cached or
+    measured, `step_costs`). trees: draft trees auto may pick too (`AutoDrafter.trees`; their
+    costs are measured: a latency profile holds chains only)."""
     cfg = getattr(target, "cfg", target)
     group = getattr(cfg, "group_size", None)
-    auto = AutoDrafter.wrap(drafter, auto_lengths(group))
-    if profile is not None:
+    auto = AutoDrafter.wrap(drafter, auto_lengths(group, auto_max_draft(drafter)), trees=trees)
+    if profile is not None and not trees:
         step_s = costs_from_profile(profile, batch_size, auto.lengths)
     else:
         step_s = step_costs(target, params, auto, drafter_params, batch_size, log)

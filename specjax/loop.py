@@ -316,8 +316,10 @@ def spec_step(
 
 
 def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state: DecodeState,
-                    drafter_state, metrics, sampling: SamplingParams, criteria: StopCriteria):
-    """`spec_step` on the drafter's own static tree."""
+                    drafter_state, metrics, sampling: SamplingParams, criteria: StopCriteria,
+                    with_result: bool = False):
+    """`spec_step` on the drafter's own static tree (with_result: the step's AcceptResult too,
+    as a fourth value)."""
     tree = drafter.tree
     batch = state.tokens.shape[0]
     propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each
@@ -335,6 +337,8 @@ def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state:
     path_finite = jnp.take_along_axis(logits_finite(target_out.logits), result.path, axis=1)
     state = append_block(state, block, result.num_accepted + 1, criteria, path_finite)
     drafter_state = drafter.update(drafter_params, drafter_state, state, result, target_out)
+    if with_result:
+        return state, drafter_state, metrics, result
     return state, drafter_state, metrics
 
 
@@ -385,7 +389,7 @@ def spec_start(target: TargetModel, params, drafter, drafter_params, prompt_toke
         target, params, state, prompt_tokens.shape[1], sampling, criteria, drafter.hidden_layers
     )
     drafter_state = drafter.prefill(drafter_params, drafter_state, state, prefill_out)
-    return state, drafter_state, SpecMetrics.zeros(batch, drafter.tree.max_depth)
+    return state, drafter_state, SpecMetrics.for_drafter(batch, drafter)
 
 
 def spec_finish(target: TargetModel, params, drafter, drafter_params, started,

@@ -38,11 +38,17 @@ class SpecMetrics:
     predicted_s: jax.Array  # [B] f32 (auto mode)
 
     @classmethod
-    def zeros(cls, batch_size: int, max_depth: int) -> SpecMetrics:
+    def zeros(cls, batch_size: int, max_depth: int, num_trees: int = 0) -> SpecMetrics:
+        """num_trees: auto's tree branches (`shape_steps` slots past the chain lengths)."""
         zero = jnp.zeros((batch_size,), jnp.int32)
         real = jnp.zeros((batch_size,), jnp.float32)
         return cls(zero, zero, zero, jnp.zeros((batch_size, max_depth), jnp.int32),
-                   jnp.zeros((batch_size, max_depth + 1), jnp.int32), real, real)
+                   jnp.zeros((batch_size, max_depth + 1 + num_trees), jnp.int32), real, real)
+
+    @classmethod
+    def for_drafter(cls, batch_size: int, drafter) -> SpecMetrics:
+        """Zeros sized for `drafter` (its tree's depth; auto's tree branches)."""
+        return cls.zeros(batch_size, drafter.tree.max_depth, len(getattr(drafter, "trees", ())))
 
     def record(self, active: jax.Array, drafted: jax.Array, accepted: jax.Array) -> SpecMetrics:
         """Adds one step for active rows `[B]`: drafted `[B]`, accepted `[B]` tokens."""
@@ -57,8 +63,9 @@ class SpecMetrics:
 
     def record_shape(self, active: jax.Array, num_draft: jax.Array, tokens_per_step: jax.Array,
                      step_s: jax.Array) -> SpecMetrics:
-        """Adds the auto mode's pick of one step for active rows `[B]`: chain length `[]`, its
-        predicted E[tokens per step] `[]` and step seconds `[]` (shared by the active rows)."""
+        """Adds the auto mode's pick of one step for active rows `[B]`: its slot `[]` (the chain
+        length D, or Dmax + 1 + i for auto's tree branch i), its predicted E[tokens per step]
+        `[]` and step seconds `[]` (shared by the active rows)."""
         on = active.astype(jnp.int32)
         share = step_s / jnp.maximum(jnp.sum(on), 1)
         lengths = jnp.arange(self.shape_steps.shape[1])[None, :]
@@ -75,14 +82,25 @@ def length_histogram(steps: int, per_pos: Iterable[int]) -> list[int]:
     return [a - b for a, b in zip(at_least[:-1], at_least[1:])]
 
 
-def auto_summary(shape_steps: Iterable[int], predicted_tokens: float, predicted_s: float) -> dict:
-    """The auto mode's part of a summary: {"shape_histogram": {D: steps} of the chain lengths
-    used, "predicted_tokens", "predicted_s", "predicted_tokens_per_s"}; {} when it never ran."""
-    shape_steps = [int(x) for x in shape_steps]
-    if not any(shape_steps):
+def shape_key(slot: int, max_depth: int | None) -> str:
+    """The shape histogram's key of a `shape_steps` slot: "D" for a chain of D (0: a plain
+    step), "tree{i}" for auto's tree branch i (`AutoDrafter.trees`)."""
+    return str(slot) if max_depth is None or slot <= max_depth else f"tree{slot - max_depth - 1}"
+
+
+def auto_summary(shape_steps, predicted_tokens: float, predicted_s: float,
+                 max_depth: int | None = None) -> dict:
+    """The auto mode's part of a summary: {"shape_histogram": {shape: steps} of the shapes
+    used (`shape_key`), "predicted_tokens", "predicted_s", "predicted_tokens_per_s"}; {} when
+    it never ran. shape_steps: steps per slot, or a {shape: steps} histogram."""
+    if isinstance(shape_steps, dict):
+        histogram = {str(k): int(n) for k, n in shape_steps.items() if n}
+    else:
+        histogram = {shape_key(d, max_depth): int(n) for d, n in enumerate(shape_steps) if n}
+    if not histogram:
         return {}
     predicted_tokens, predicted_s = float(predicted_tokens), float(predicted_s)  # JSON: no numpy
-    return {"shape_histogram": {str(d): int(n) for d, n in enumerate(shape_steps) if n},
+    return {"shape_histogram": histogram,
             "predicted_tokens": predicted_tokens, "predicted_s": predicted_s,
             "predicted_tokens_per_s": predicted_tokens / predicted_s if predicted_s > 0 else 0.0}
 
@@ -94,7 +112,7 @@ def summarize(steps: int, drafted: int, accepted: int, per_pos: Iterable[int],
     mode's counters, its shape histogram and predictions too (`auto_summary`)."""
     per_pos = [int(x) for x in per_pos]
     previous = [steps] + per_pos[:-1]
-    return auto_summary(shape_steps, predicted_tokens, predicted_s) | {
+    return auto_summary(shape_steps, predicted_tokens, predicted_s, len(per_pos)) | {
         "steps": int(steps),
         "drafted": int(drafted),
         "accepted": int(accepted),
@@ -126,10 +144,12 @@ def job_summary(rows: Iterable[dict]) -> dict:
     per_pos = np.zeros(width, np.int64)
     for r in rows:
         per_pos[: len(r["accepted_per_position"])] += r["accepted_per_position"]
-    shapes = np.zeros(width + 1, np.int64)
+    shapes: dict[str, int] = {}
     for r in rows:
         for d, n in r.get("shape_histogram", {}).items():
-            shapes[int(d)] += n
+            shapes[d] = shapes.get(d, 0) + int(n)
+    order = lambda k: (k.startswith("tree"), int(k.removeprefix("tree")))
+    shapes = {k: shapes[k] for k in sorted(shapes, key=order)}
     return summarize(
         sum(r["steps"] for r in rows), sum(r["drafted"] for r in rows),
         sum(r["accepted"] for r in rows), per_pos, shapes,

@@ -16,15 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from specjax.drafters.auto import BASE_LENGTHS
+from specjax.drafters.auto import BASE_LENGTHS, auto_max_draft
 from specjax.drafters.base import Drafter
 from specjax.drafters.registry import available_drafters, check_spec
 from specjax.rng import KEY_ID_SPACE, raw_key, seed_key
 from specjax.sampling import SamplingParams
 from specjax.tree import TreeSpec, chain, check_num_draft, load_tree
 
-DEFAULT_NUM_DRAFT = 4  # the chain a drafter spec not in AUTO_KINDS drafts by default
-AUTO_KINDS = ("ngram", "suffix")  # drafter kinds whose specs default to num_draft="auto"
+DEFAULT_NUM_DRAFT = 4  # the chain a fixed-shape drafter spec (or a sampled job) drafts by default
+#: drafter kinds whose specs never run with num_draft="auto": `forced` measures a given draft
+#: shape (its acceptance is drawn from a profile, so auto's estimate would be meaningless)
+FIXED_KINDS = ("forced",)
 AUTO_MAX_DRAFT = max(BASE_LENGTHS)  # the longest chain auto compiles (the margin it needs)
 
 
@@ -201,9 +203,9 @@ def draft_choice(draft, num_draft=None, tree=None, drafter_params=None,
     with its shape options; loads nothing. ValueError listing the known drafter kinds when
     `draft` is none of these or names an unknown kind.
 
-    num_draft="auto" (the default for a spec of a kind in AUTO_KINDS given no num_draft / tree,
-    when greedy) picks the draft shape every step (`drafters.auto`); other kinds, and every kind
-    when `sampled` (temperature > 0), default to a chain of DEFAULT_NUM_DRAFT: speculative
+    num_draft="auto" (the default for a spec of every kind but FIXED_KINDS given no num_draft /
+    tree, when greedy) picks the draft shape every step (`drafters.auto`); FIXED_KINDS, and
+    every kind when `sampled` (temperature > 0), default to a chain of DEFAULT_NUM_DRAFT: speculative
     sampling draws differently for another draft shape (exactly, but other tokens), and auto's
     shape follows the whole batch (its acceptance estimate, the active rows), so a sampled row
     would depend on its neighbours; an explicit "auto" accepts that."""
@@ -220,10 +222,10 @@ def draft_choice(draft, num_draft=None, tree=None, drafter_params=None,
         if drafter_params is not None:
             raise ValueError(f"draft={draft!r} builds its own params: drop drafter_params=")
         kind = draft.strip().partition(":")[0]
-        if auto and kind not in AUTO_KINDS:
-            raise ValueError(f"num_draft='auto' needs a drafter of kind {' or '.join(AUTO_KINDS)} "
-                             f"(state independent of the draft shape); give num_draft=N for {draft!r}")
-        if shape is None and kind in AUTO_KINDS and not sampled:
+        if auto and kind in FIXED_KINDS:
+            raise ValueError(f"num_draft='auto' does not drive the {kind} drafter (it measures a "
+                             f"given draft shape); give num_draft=N for {draft!r}")
+        if shape is None and kind not in FIXED_KINDS and (auto or not sampled):
             return DraftChoice(spec=draft.strip(), tree=chain(AUTO_MAX_DRAFT), auto=True)
         return DraftChoice(spec=draft.strip(), tree=shape or chain(DEFAULT_NUM_DRAFT))
     if isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Drafter):
@@ -233,8 +235,10 @@ def draft_choice(draft, num_draft=None, tree=None, drafter_params=None,
     if isinstance(draft, Drafter) and auto:
         if not draft.shape_free_state:
             raise ValueError(f"num_draft='auto' needs a drafter whose state does not depend on its "
-                             f"tree (n-gram, suffix); {draft.name} does not: give num_draft=N")
-        drafter = check_drafter(dataclasses.replace(draft, tree=chain(AUTO_MAX_DRAFT)))
+                             f"tree (Drafter.shape_free_state); {draft.name} does not: give "
+                             "num_draft=N")
+        longest = chain(auto_max_draft(draft, AUTO_MAX_DRAFT))
+        drafter = check_drafter(dataclasses.replace(draft, tree=longest))
         return DraftChoice(drafter=drafter, params=drafter_params, tree=drafter.tree, auto=True)
     if isinstance(draft, Drafter):
         drafter = check_drafter(draft if shape is None else dataclasses.replace(draft, tree=shape))

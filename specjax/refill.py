@@ -196,14 +196,14 @@ def start_slots(drafter, drafter_params, cache: KVCache, drafter_carry=(), *, wi
     if drafter is None:
         return Slots(state, None, None, jnp.full((batch,), -1, jnp.int32))
     drafter_state = drafter.resume(drafter.init(drafter_params, batch, width), drafter_carry)
-    return Slots(state, drafter_state, SpecMetrics.zeros(batch, drafter.tree.max_depth),
+    return Slots(state, drafter_state, SpecMetrics.for_drafter(batch, drafter),
                  jnp.full((batch,), -1, jnp.int32))
 
 
-def empty_outputs(capacity: int, width: int, max_depth: int | None) -> ChunkOutputs:
-    """Room for `capacity` ended rows (metrics of depth max_depth, or None)."""
+def empty_outputs(capacity: int, width: int, drafter) -> ChunkOutputs:
+    """Room for `capacity` ended rows (metrics sized for the drafter, None without one)."""
     zeros = jnp.zeros((capacity,), jnp.int32)
-    metrics = None if max_depth is None else SpecMetrics.zeros(capacity, max_depth)
+    metrics = None if drafter is None else SpecMetrics.for_drafter(capacity, drafter)
     return ChunkOutputs(jnp.full((capacity,), -1, jnp.int32), jnp.zeros((capacity, width), jnp.int32),
                         zeros, zeros, metrics, jnp.zeros((), jnp.int32))
 
@@ -291,7 +291,7 @@ class Decoder:
         drafter_state, metrics = slots.drafter_state, slots.metrics
         if drafter is not None:
             drafter_state = drafter.refill(drafter_params, drafter_state, fresh, prefill_out, place)
-            metrics = put_rows(metrics, SpecMetrics.zeros(rows, drafter.tree.max_depth), place)
+            metrics = put_rows(metrics, SpecMetrics.for_drafter(rows, drafter), place)
         started = jnp.sum(use).astype(jnp.int32)
         entry = jnp.clip(carry.next_prompt + jnp.arange(rows), 0, queue.capacity - 1)
         job_index = queue.index[entry]
@@ -325,10 +325,9 @@ class Decoder:
         """(ChunkOutputs, SlotCounters, Slots) of one call over `queue`."""
         policy, batch = self.policy, slots.prompt.shape[0]
         width = slots.state.tokens.shape[1]
-        depth = None if self.drafter is None else self.drafter.tree.max_depth
         zero = jnp.zeros((), jnp.int32)
         carry = RefillCarry(slots=slots, next_prompt=zero,
-                            outputs=empty_outputs(queue.capacity + batch, width, depth),
+                            outputs=empty_outputs(queue.capacity + batch, width, self.drafter),
                             counters=SlotCounters(zero, zero, zero, zero))
 
         def refill(rows, c):

@@ -22,15 +22,19 @@ from specjax.drafters.auto import (
     AutoDrafter,
     AutoParams,
     auto_lengths,
+    auto_max_draft,
     observations,
     updated_estimate,
 )
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.forced import ForcedDrafter
+from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
+from specjax.metrics import job_summary
 from specjax.models.llama import init_params
 from specjax.options import draft_choice
-from specjax.tree import chain
+from specjax.tree import chain, k_ary
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3, 1], [5, 5, 5, 5],
            [9, 3, 9, 3, 9]]
@@ -82,6 +86,95 @@ def test_greedy_auto_visiting_every_branch_equals_plain_greedy(kind, refill):
     assert sorted(histogram(results), key=int) == [str(d) for d in drafter.lengths]
 
 
+LEARNED = ("eagle3", "mtp", "medusa", "dflash", "dspark")
+
+
+def learned(kind: str):
+    """(drafter, params): an untrained head of test_learned_drafters (depth 3) on model()."""
+    from test_learned_drafters import untrained
+
+    cfg, params = model()
+    return untrained(kind, cfg, params, chain(1))
+
+
+def stateful(kind: str):
+    """(drafter on a chain of 1, its params) of a stateful drafter kind on model()."""
+    cfg, params = model()
+    if kind == "layerskip":
+        return layerskip_drafter(chain(1), cfg, 1), params
+    if kind == "draft_model":
+        draft_cfg = tiny_config(vocab_size=16, num_layers=1, name="tiny-draft")
+        return DraftModelDrafter(tree=chain(1), cfg=draft_cfg), init_params(draft_cfg, jax.random.PRNGKey(5))
+    return learned(kind)
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "draft_model", *LEARNED])
+def test_greedy_auto_of_stateful_drafters_visiting_every_branch_equals_plain_greedy(kind):
+    inner, inner_params = stateful(kind)
+    lengths = auto_lengths(None, auto_max_draft(inner, 4))
+    drafter = AutoDrafter.wrap(inner, lengths, rotate=True)
+    params = AutoParams(inner=inner_params, step_s=jnp.ones(len(lengths)))
+    results = run(drafter, params, refill=True)
+    assert [r.token_ids for r in results] == plain()
+    assert sorted(histogram(results), key=int) == [str(d) for d in drafter.lengths]
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_a_perfect_draft_model_stays_in_step_through_every_branch(refill):
+    """layerskip over all the target's layers drafts what the target picks: while the switch
+    changes the chain length (and runs plain steps) every drafted token must be accepted,
+    which holds only when the draft cache stays valid across shapes."""
+    cfg, params = model()
+    lengths = (0, 1, 3, 4)
+    drafter = AutoDrafter.wrap(layerskip_drafter(chain(1), cfg, cfg.num_layers), lengths, rotate=True)
+    results = run(drafter, AutoParams(inner=params, step_s=jnp.ones(len(lengths))), refill)
+    assert [r.token_ids for r in results] == plain()
+    summary = job_summary([r.spec for r in results])
+    assert summary["drafted"] > 0 and summary["accepted"] == summary["drafted"], summary
+
+
+def proposal_after(drafter: AutoDrafter, inner_params, prompt: list[int], branches, width=64):
+    """(the committed tokens, the chain the inner drafter proposes next `[D]`, the draft
+    distributions it drew them from `[D, V]`) after prefilling `prompt` (one row) and running
+    the auto branches `branches` (indices) in turn, greedy."""
+    from specjax.auto_costs import _forced_steps
+    from specjax.loop import StopCriteria, spec_start_program
+    from specjax.models.cache import init_cache
+    from specjax.sampling import SamplingParams
+
+    cfg, params = model()
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    auto_params = AutoParams(inner=inner_params, step_s=jnp.ones(len(drafter.lengths)))
+    started = spec_start_program(
+        cfg, params, drafter, auto_params, jnp.asarray([prompt], jnp.int32),
+        jnp.asarray([len(prompt)], jnp.int32), jnp.asarray([width // 2], jnp.int32),
+        init_cache(cfg, 1, width), jax.random.PRNGKey(0), sampling, criteria, (), width=width)
+    for b in branches:
+        started = _forced_steps(cfg, params, drafter, auto_params, started, jnp.int32(b), sampling,
+                                criteria, steps=1)
+    state, drafter_state, _ = started
+    longest = drafter.shaped(max(drafter.lengths))
+    draft, _ = longest.propose(inner_params, drafter_state.inner, state, jax.random.PRNGKey(1), sampling)
+    committed = [int(t) for t in state.tokens[0, : int(state.num_tokens[0])]]
+    return committed, [int(t) for t in draft.tokens[0]], np.asarray(draft.probs[0])
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "draft_model", *LEARNED])
+def test_the_drafter_state_after_switching_shapes_is_what_a_fresh_prefill_gives(kind):
+    """A drafter's state depends on the committed tokens only, not on the shapes that committed
+    them: after a history of chains of every length and plain steps, the next draft equals the
+    draft of a fresh job whose prompt is the committed prefix (a stale cache or a missed
+    update in a branch breaks it)."""
+    inner, inner_params = stateful(kind)
+    lengths = auto_lengths(None, auto_max_draft(inner, 4))
+    drafter = AutoDrafter.wrap(inner, lengths)
+    history = [len(lengths) - 1, 0, 1, 0, 0, len(lengths) - 2, 0, len(lengths) - 1, 1, 0]
+    committed, draft, probs = proposal_after(drafter, inner_params, PROMPTS[0], history)
+    fresh_committed, fresh, fresh_probs = proposal_after(drafter, inner_params, committed[:-1], [])
+    assert fresh_committed == committed and fresh == draft
+    np.testing.assert_allclose(probs, fresh_probs, atol=1e-4)
+
+
 def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
     drafter, _ = auto("ngram")
     cheap_plain = AutoParams(inner=None, step_s=jnp.asarray([1e-3, 1.0, 1.0, 1.0]))
@@ -111,14 +204,18 @@ def test_the_pick_follows_the_estimate_and_the_active_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rotate", [True, False], ids=["rotate", "picked"])
+@pytest.mark.parametrize("rotate", [True, False, "tree"], ids=["rotate", "picked", "picked-tree"])
 def test_sampling_with_auto_matches_plain_sampling(rotate):
     from test_lossless_e2e import PROMPT, TEMPERATURE, TOP_K, TOP_P, models
 
     target_cfg, target_params, _, _ = models()
-    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2), rotate=rotate)
     # picked: plain steps cost more than drafting, so the spec branches run from the start
     params = AutoParams(inner=None, step_s=jnp.asarray([3.0, 1.0, 1.0]))
+    if rotate == "tree":  # picked: the tree (top-2, then top-1 after each) is the cheap branch
+        drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 2), trees=(k_ary((2, 1)),))
+        params = AutoParams(inner=None, step_s=jnp.asarray([3.0, 3.0, 1.0]))
+    else:
+        drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2), rotate=rotate)
     samples = []
     for seed in range(3):
         out = generate_ids(target_cfg, target_params, [PROMPT + PROMPT] * 4096, max_new_tokens=3,
@@ -128,7 +225,9 @@ def test_sampling_with_auto_matches_plain_sampling(rotate):
     stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
     hist = histogram(out)
-    if rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
+    if rotate == "tree":
+        assert sorted(hist) == ["tree0"]
+    elif rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
         assert sorted(hist) == ["0", "1"]
     else:  # picked: the cheap long chain
         assert sorted(hist) == ["2"]
@@ -243,18 +342,34 @@ def test_costs_from_a_latency_profile():
 # ---- options --------------------------------------------------------------------------------------
 
 
-def test_auto_is_the_default_for_ngram_and_suffix_specs_only():
-    assert draft_choice("ngram").auto and draft_choice("suffix:1-4").auto
-    assert draft_choice("ngram", num_draft="auto").auto
-    assert not draft_choice("ngram", num_draft=4).auto
-    assert not draft_choice("ngram", tree="kary_2x2x2").auto
-    assert not draft_choice("layerskip:1").auto and draft_choice("layerskip:1").tree.num_nodes == 4
-    with pytest.raises(ValueError, match="num_draft='auto' needs"):
-        draft_choice("layerskip:1", num_draft="auto")
+@pytest.mark.parametrize("spec", ["ngram", "suffix:1-4", "layerskip:1", "model:tiny",
+                                  "eagle3:dir", "mtp:dir", "medusa:dir", "dflash:dir", "dspark:dir"])
+def test_auto_is_the_greedy_default_for_every_drafter_kind(spec):
+    assert draft_choice(spec).auto and draft_choice(spec, num_draft="auto").auto
+    assert not draft_choice(spec, num_draft=4).auto
+    assert not draft_choice(spec, tree="kary_2x2x2").auto
+    assert not draft_choice(spec, sampled=True).auto and draft_choice(spec, sampled=True).tree.num_nodes == 4
+    assert draft_choice(spec, num_draft="auto", sampled=True).auto
+
+
+def test_auto_option_rules():
+    assert not draft_choice("forced:0.5").auto and draft_choice("forced:0.5").tree.num_nodes == 4
+    with pytest.raises(ValueError, match="does not drive the forced drafter"):
+        draft_choice("forced:0.5", num_draft="auto")
     with pytest.raises(ValueError, match="not both"):
         draft_choice("ngram", num_draft="auto", tree="kary_2x2x2")
+    drafter = DraftModelDrafter(tree=chain(2), cfg=tiny_config())
+    assert draft_choice(drafter, num_draft="auto").tree == chain(8)
     with pytest.raises(ValueError, match="num_draft='auto' needs"):
-        draft_choice(DraftModelDrafter(tree=chain(2), cfg=tiny_config()), num_draft="auto")
+        draft_choice(ForcedDrafter(tree=chain(2)), num_draft="auto")
+
+
+def test_a_drafter_that_drafts_less_deep_gets_shorter_chains():
+    cfg, params = model()
+    drafter, _ = learned("medusa")  # 3 heads
+    assert auto_max_draft(drafter) == 3 and auto_lengths(None, 3) == (0, 1, 2, 3)
+    assert draft_choice(drafter, num_draft="auto").tree == chain(3)
+    assert auto_max_draft(NgramDrafter(tree=chain(1))) == 8
 
 
 def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):
@@ -289,3 +404,80 @@ def test_auto_summaries_are_plain_json():
     assert json.loads(json.dumps(summary)) == {"shape_histogram": {"0": 3, "2": 2},
                                                "predicted_tokens": 7.5, "predicted_s": 2.5,
                                                "predicted_tokens_per_s": 3.0}
+
+
+# ---- tree branches -----------------------------------------------------------------------------
+
+
+def test_a_trees_expected_tokens_come_from_the_depth_and_rank_estimates():
+    from specjax.costmodel import chain_tokens_per_steps, tree_tokens_per_step
+    from specjax.tree import load_tree
+
+    conditional = np.asarray([0.6, 0.5, 0.4, 0.3])
+    assert tree_tokens_per_step(conditional, np.zeros((4, 1)), chain(3)) == pytest.approx(
+        chain_tokens_per_steps(conditional, (3,))[0])
+    # top-2 at every depth, rank-1 conditional 0.5: P(depth j accepted) = q0 + (1 - q0) 0.5
+    got = tree_tokens_per_step(jnp.asarray(conditional), jnp.full((4, 1), 0.5), load_tree("kary_2x2x2"))
+    assert float(got) == pytest.approx(1 + 0.8 + 0.8 * 0.75 + 0.8 * 0.75 * 0.7, rel=1e-6)
+
+
+def test_tree_observations_count_each_rank_reached_and_hit():
+    from specjax.drafters.auto import tree_observations
+    from specjax.tree import load_tree
+
+    tree = load_tree("kary_2x2x2")  # verify rows: 1, 2 depth 1 (ranks 0, 1); 3..6 depth 2
+    rank1 = 1 + tree.children[0][1]  # the root's rank-1 child (verify index)
+    rank1_rank0 = 1 + tree.children[rank1][0]
+    path = jnp.asarray([[0, rank1, rank1_rank0, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
+    reached, hits = tree_observations(jnp.asarray([True, True, False]), path,
+                                      jnp.asarray([2, 0, 1]), tree, max_depth=4, num_ranks=2)
+    # row 0: depth 0 rank 1 hit (rank 0 missed), depth 1 rank 0 hit, depth 2: both children missed
+    # row 1: depth 0, both ranks missed; row 2 inactive
+    np.testing.assert_array_equal(reached, [[2, 2], [1, 0], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(hits, [[0, 1], [1, 0], [0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle3"])
+def test_greedy_auto_with_tree_branches_visiting_every_branch_equals_plain_greedy(kind):
+    from specjax.tree import load_tree
+
+    inner, inner_params = (NgramDrafter(tree=chain(1)), None) if kind == "ngram" else stateful(kind)
+    trees = (load_tree("kary_2x2x2"), k_ary((2, 1), name="2x1"))
+    drafter = AutoDrafter.wrap(inner, (0, 1, 3), trees=trees, rotate=True)
+    assert drafter.tree.num_nodes == 14 and drafter.tree.max_depth == 3
+    params = AutoParams(inner=inner_params, step_s=jnp.ones(5))
+    results = run(drafter, params, refill=True)
+    assert [r.token_ids for r in results] == plain()
+    assert set(histogram(results)) == {"0", "1", "3", "tree0", "tree1"}
+
+
+def test_the_pick_takes_a_tree_when_second_candidates_pay():
+    from specjax.tree import load_tree
+
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 3), trees=(load_tree("kary_2x2x2"),))
+    params = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.1, 1.2, 1.3]))
+    state = drafter.init(params, 2, 16)
+    assert state.siblings.shape == (3, 1)
+    active = jnp.asarray([True, True])
+    weak_top = state.replace(conditional=jnp.full(3, 0.4), siblings=jnp.full((3, 1), 0.9))
+    assert int(jnp.argmax(drafter.predicted(params, weak_top, active)[0])) == 3
+    no_second = weak_top.replace(siblings=jnp.zeros((3, 1)))
+    assert int(jnp.argmax(drafter.predicted(params, no_second, active)[0])) != 3
+
+
+def test_the_profile_times_tree_branches_too():
+    from specjax.tree import load_tree
+
+    cfg, params = model()
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 3), trees=(load_tree("kary_2x2x2"),))
+    phases = {}
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=1, repeats=1, phases=phases)
+    assert len(step_s) == 3 and all(s > 0 for s in step_s) and phases["first_call_s"] > 0
+    key = auto_costs.cost_key(cfg, drafter, 2)
+    assert key["trees"][0][0] == "kary_2x2x2"
+
+
+def test_chain_costs_are_made_non_decreasing_in_the_draft_length():
+    assert auto_costs.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert auto_costs.monotone([265.0, 292.0, 246.0, 354.0]) == pytest.approx([265.0, 269.0, 269.0, 354.0])
+    assert auto_costs.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])

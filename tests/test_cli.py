@@ -99,6 +99,22 @@ def test_speculative_rows_carry_spec_metrics(tiny_dir, tmp_path):
         assert spec_row["spec"]["steps"] >= 1
 
 
+def test_a_stateful_drafter_given_no_draft_length_runs_auto(tiny_dir, tmp_path, monkeypatch):
+    """--draft layerskip:1 alone (greedy): auto picks the chain every step, output as plain."""
+    from specjax import auto_costs
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(auto_costs, "profile_step_costs",
+                        lambda target, params, drafter, *a, **k: [1.0] + [0.5] * (len(drafter.lengths) - 1))
+    prompts = _write_jsonl(tmp_path / "in.jsonl", ROWS[:2])
+    out, plain = tmp_path / "out.jsonl", tmp_path / "plain.jsonl"
+    assert _generate(tiny_dir, prompts, out, "--draft", "layerskip:1") == 0
+    assert _generate(tiny_dir, prompts, plain) == 0
+    for spec_row, plain_row in zip(_read_jsonl(out), _read_jsonl(plain)):
+        assert spec_row["token_ids"] == plain_row["token_ids"]
+        assert spec_row["spec"]["shape_histogram"] and "0" not in spec_row["spec"]["shape_histogram"]
+
+
 @pytest.mark.parametrize("rows,message", [
     ([{"prompt": "ok"}, {"prompt": "  "}], "in.jsonl:2: the prompt is empty"),
     ([{"prompt": "ok"}, "{not json"], "in.jsonl:2: not valid JSON"),

@@ -34,7 +34,8 @@ def cmd_bench(args) -> int:
     rows = dataset_rows(args)
     model = measure_profile.load_target(args.model, args.dtype,
                                         shardings=mesh_shardings(args)[1], quantize=args.quantize)
-    drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype)
+    drafter, params = measure_bench.make_any_drafter(args.draft, tree, model, args.dtype,
+                                                     auto=draft_auto(args))
     report = measure_bench.run_bench(
         model, rows, drafter, params,
         dataclasses.replace(run_config(args, model, args.batch_size), auto=draft_auto(args)),

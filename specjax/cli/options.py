@@ -240,8 +240,8 @@ def add_draft_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     group.add_argument("--num-draft", type=num_draft_or_auto, default=None,
                        help="draft a chain of D tokens per step, or 'auto': the shape with the "
                             "highest predicted tokens/s, picked every step from this device's "
-                            "step costs and the job's acceptance (default: auto for ngram and "
-                            f"suffix, {DEFAULT_NUM_DRAFT} for the other drafters)")
+                            "step costs and the job's acceptance (default: auto when greedy, for "
+                            f"every drafter but forced; {DEFAULT_NUM_DRAFT} when sampling)")
     group.add_argument("--tree", default=None,
                        help="draft a tree instead of a chain: a preset name (configs/trees/) or "
                             "a YAML file (default: a chain)")
@@ -304,7 +304,7 @@ def make_draft(args, tree, model):
     if tree is None:
         return None, None
 
-    return make_drafter(args.draft, tree=tree, target=model, dtype=args.dtype)
+    return make_drafter(args.draft, tree=tree, target=model, dtype=args.dtype, auto=draft_auto(args))
 
 def load_tuned(args):
     """The --tuned schedule (or None), read and checked before any model loads."""

@@ -1,14 +1,21 @@
 """`num_draft="auto"`: the draft shape picked every step, inside the program.
 
 `AutoDrafter` wraps a drafter whose state does not depend on its draft tree
-(`Drafter.shape_free_state`: n-gram, suffix). Its step (`switched_step`, which `loop.spec_step`
+(`Drafter.shape_free_state`: n-gram, suffix, a draft model, layerskip and every learned head,
+EAGLE-3, MTP, Medusa, DFlash, DSpark; not the measurement drafter `forced`). Its step (`switched_step`, which `loop.spec_step`
 runs for it) is ONE `lax.switch` over a few chain lengths `lengths` (0 = a plain decoding
 step), every branch the whole step of that shape on the same operands:
 
 - D > 0: `loop.fixed_spec_step` of the inner drafter re-shaped to a chain of D (the state is
   the same pytree for every D, so each branch reads and writes it as it is);
-- D = 0: `loop.ar_step_out`, plus the inner drafter's chain-of-1 proposal, only to observe
-  whether its first token would have been accepted (no verify cost), and its `update`.
+- D = 0: `loop.ar_step_out`, plus the inner drafter's chain-of-1 proposal, to observe
+  whether its first token would have been accepted (no verify cost), and its `update` with
+  the root's row as the accepted path. The proposal also keeps stateful drafters in step: a
+  draft model re-feeds the last two committed tokens there, so its cache stays valid below
+  `num_tokens - 2` as after any spec step; the learned heads ingest the root's features.
+
+The candidate chain lengths are those the drafter can produce: `auto_lengths` up to
+`auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): E[tokens per step](D) from the running estimate of this job's conditional
@@ -29,13 +36,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from specjax.costmodel import chain_tokens_per_steps, throughput
+from specjax.costmodel import chain_tokens_per_steps, throughput, tree_tokens_per_step
 from specjax.drafters.base import Drafter
 from specjax.loop import DecodeState, ar_step_out, fixed_spec_step
 from specjax.rng import split_rows
-from specjax.tree import chain
+from specjax.tree import TreeSpec, chain, from_paths
 from specjax.types import AcceptResult
 
 #: candidate chain lengths of auto (plus the tile-aligned ones in range, `auto_lengths`)
@@ -43,12 +51,30 @@ BASE_LENGTHS = (0, 1, 2, 4, 8)
 TILE_ROWS = 128
 
 
+def envelope(max_depth: int, trees: tuple[TreeSpec, ...] = ()) -> TreeSpec:
+    """Auto's own `tree`: a chain of max_depth, widened by depth-1 leaves to as many nodes as
+    its largest tree branch has: what the cache margin (nodes) and the metrics (depth) size by."""
+    nodes = max([max_depth] + [t.num_nodes for t in trees])
+    if nodes == max_depth:
+        return chain(max_depth)
+    paths = [[0] * d for d in range(1, max_depth + 1)] + [[r] for r in range(1, nodes - max_depth + 1)]
+    return from_paths(paths, name=f"auto{max_depth}x{nodes}")
+
+
+def auto_max_draft(drafter: Drafter, longest: int = max(BASE_LENGTHS)) -> int:
+    """The longest chain auto compiles for `drafter`: `longest`, or less when the drafter
+    cannot draft that deep (`Drafter.deepest_draft`)."""
+    deepest = drafter.deepest_draft
+    return longest if deepest is None else max(1, min(longest, deepest))
+
+
 def auto_lengths(group_size: int | None, max_draft: int = max(BASE_LENGTHS)) -> tuple[int, ...]:
-    """The chain lengths auto compiles: `BASE_LENGTHS`, plus 128/G - 1 and the D with G(1 + D)
-    a multiple of 128 where they fall in 1..max_draft (G: query heads per KV head)."""
-    extra = set()
+    """The chain lengths auto compiles: `BASE_LENGTHS` up to max_draft, max_draft itself (a
+    drafter's deepest chain, e.g. a Medusa head's head count), plus 128/G - 1 and the D with
+    G(1 + D) a multiple of 128 where they fall in 1..max_draft (G: query heads per KV head)."""
+    extra = {max_draft}
     if group_size:
-        extra = {TILE_ROWS // group_size - 1} | {
+        extra |= {TILE_ROWS // group_size - 1} | {
             d for d in range(1, max_draft + 1) if group_size * (1 + d) % TILE_ROWS == 0}
     return tuple(sorted({d for d in BASE_LENGTHS + tuple(extra) if 0 <= d <= max_draft}))
 
@@ -69,15 +95,18 @@ class AutoState:
 
     inner: Any
     conditional: jax.Array
+    siblings: jax.Array  # [Dmax, R - 1] the same for the candidates of rank 1..R-1 (trees)
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoDrafter(Drafter):
-    """An inner drafter (any tree) driven at the chain length each step predicts fastest.
-    `tree`: the chain of max(lengths) (what margins and metrics size by)."""
+    """An inner drafter (any tree) driven at the draft shape each step predicts fastest: a
+    chain of one of `lengths` or one of the draft trees `trees` (depth <= max(lengths)).
+    `tree`: `envelope(max(lengths), trees)` (what margins and metrics size by)."""
 
     inner: Drafter | None = None
     lengths: tuple[int, ...] = BASE_LENGTHS
+    trees: tuple[TreeSpec, ...] = ()
     prior: float = 0.5  # the estimate before any observation, and where unobserved depths drift
     decay: float = 0.9  # EMA weight kept per observation
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
@@ -86,18 +115,38 @@ class AutoDrafter(Drafter):
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
             raise ValueError("auto needs a drafter whose state does not depend on its tree "
-                             f"(n-gram, suffix), got {self.inner and self.inner.name}")
+                             f"(Drafter.shape_free_state), got {self.inner and self.inner.name}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
             raise ValueError(f"auto lengths must be sorted, distinct and include 0, got {self.lengths}")
-        if self.tree.max_depth != max(self.lengths) or self.tree.num_nodes != max(self.lengths):
-            raise ValueError(f"auto's tree must be a chain of {max(self.lengths)}, got {self.tree.name}")
+        deep = [t.name for t in self.trees if t.max_depth > max(self.lengths)]
+        if deep:
+            raise ValueError(f"auto's trees must be at most {max(self.lengths)} deep: {deep}")
+        if self.tree != envelope(max(self.lengths), self.trees):
+            raise ValueError(f"auto's tree must be envelope({max(self.lengths)}, trees), got {self.tree}")
 
     @classmethod
-    def wrap(cls, inner: Drafter, lengths: tuple[int, ...] = BASE_LENGTHS, **options) -> AutoDrafter:
-        """`inner` (any tree) driven by auto over `lengths`."""
-        top = chain(max(lengths))
-        inner = dataclasses.replace(inner, tree=top)
-        return cls(tree=top, hidden_layers=inner.hidden_layers, inner=inner, lengths=lengths, **options)
+    def wrap(cls, inner: Drafter, lengths: tuple[int, ...] = BASE_LENGTHS,
+             trees: tuple[TreeSpec, ...] = (), **options) -> AutoDrafter:
+        """`inner` (any tree) driven by auto over the chains `lengths` and the trees `trees`."""
+        inner = dataclasses.replace(inner, tree=chain(max(lengths)))
+        trees = tuple(trees)
+        return cls(tree=envelope(max(lengths), trees), hidden_layers=inner.hidden_layers,
+                   inner=inner, lengths=lengths, trees=trees, **options)
+
+    @property
+    def num_ranks(self) -> int:
+        """R: the candidate ranks the acceptance estimate tracks (1 + the trees' largest)."""
+        return 1 + max([max(t.ranks) for t in self.trees] or [0])
+
+    @property
+    def num_shapes(self) -> int:
+        return len(self.lengths) + len(self.trees)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Each branch's `SpecMetrics.shape_steps` slot: D for a chain, Dmax + 1 + i for tree i."""
+        top = self.tree.max_depth
+        return tuple(self.lengths) + tuple(top + 1 + i for i in range(len(self.trees)))
 
     @property
     def name(self) -> str:
@@ -113,8 +162,10 @@ class AutoDrafter(Drafter):
         self.inner.check_target(target_cfg)
 
     def init(self, params: AutoParams, batch_size: int, width: int) -> AutoState:
+        depth = self.tree.max_depth
         return AutoState(self.inner.init(params.inner, batch_size, width),
-                         jnp.full((self.tree.max_depth,), self.prior, jnp.float32))
+                         jnp.full((depth,), self.prior, jnp.float32),
+                         jnp.full((depth, self.num_ranks - 1), self.prior, jnp.float32))
 
     def init_carry(self, params: AutoParams):
         return self.inner.init_carry(params.inner)
@@ -141,6 +192,9 @@ class AutoDrafter(Drafter):
         """(`[S]` predicted tokens/s of each branch, `[S]` its E[tokens per step]) for the
         active rows `[B]`: the cost model of `specjax.costmodel`."""
         per_step = chain_tokens_per_steps(state.conditional, self.lengths)
+        if self.trees:
+            per_step = jnp.concatenate([per_step, jnp.stack([
+                tree_tokens_per_step(state.conditional, state.siblings, t) for t in self.trees])])
         rows = jnp.sum(active.astype(jnp.float32))
         return throughput(per_step, rows, params.step_s), per_step
 
@@ -153,23 +207,26 @@ class AutoDrafter(Drafter):
         if branch is not None:
             index = branch
         elif self.rotate:
-            index = state.step % len(self.lengths)
+            index = state.step % self.num_shapes
         else:
             index = jnp.argmax(tokens_per_s).astype(jnp.int32)
         branches = [functools.partial(self._branch, d, target, params, drafter_params.inner,
                                       sampling, criteria) for d in self.lengths]
+        branches += [functools.partial(self._tree_branch, t, target, params, drafter_params.inner,
+                                       sampling, criteria) for t in self.trees]
         state, inner, metrics, reached, hits = jax.lax.switch(
             index, branches, state, drafter_state.inner, metrics)
-        metrics = metrics.record_shape(active, jnp.asarray(self.lengths)[index], per_step[index],
+        metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
                                        drafter_params.step_s[index])
-        conditional = updated_estimate(drafter_state.conditional, reached, hits, self.prior,
-                                       self.decay, self.relax)
-        return state, AutoState(inner, conditional), metrics
+        estimate = jnp.concatenate([drafter_state.conditional[:, None], drafter_state.siblings], 1)
+        estimate = updated_estimate(estimate, reached, hits, self.prior, self.decay, self.relax)
+        return state, AutoState(inner, estimate[:, 0], estimate[:, 1:]), metrics
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
         """One step of a chain of num_draft (0: plain) -> (state, inner state, metrics,
-        reached `[Dmax]`, hits `[Dmax]`: rows that observed depth j, and accepted it)."""
+        reached `[Dmax, R]`, hits `[Dmax, R]`: rows that observed depth j's top candidate, and
+        accepted it; a chain observes rank 0 only)."""
         active = ~state.done
         if num_draft == 0:
             return self._plain_branch(target, params, inner_params, sampling, criteria, state,
@@ -179,6 +236,23 @@ class AutoDrafter(Drafter):
             target, params, self.shaped(num_draft), inner_params, state, inner_state, metrics,
             sampling, criteria)
         reached, hits = observations(active, metrics.accepted - before, num_draft, self.tree.max_depth)
+        return state, inner_state, metrics, *self._ranked(reached, hits)
+
+    def _ranked(self, reached, hits):
+        """`[Dmax]` rank-0 observations -> `[Dmax, R]` (no observation of the other ranks)."""
+        pad = lambda x: jnp.pad(x[:, None], ((0, 0), (0, self.num_ranks - 1)))
+        return pad(reached), pad(hits)
+
+    def _tree_branch(self, tree: TreeSpec, target, params, inner_params, sampling, criteria,
+                     state: DecodeState, inner_state, metrics):
+        """One step of the draft tree `tree` -> `_branch`'s values (every rank observed)."""
+        active = ~state.done
+        drafter = dataclasses.replace(self.inner, tree=tree)
+        state, inner_state, metrics, result = fixed_spec_step(
+            target, params, drafter, inner_params, state, inner_state, metrics, sampling, criteria,
+            with_result=True)
+        reached, hits = tree_observations(active, result.path, result.num_accepted, tree,
+                                          self.tree.max_depth, self.num_ranks)
         return state, inner_state, metrics, reached, hits
 
     def _plain_branch(self, target, params, inner_params, sampling, criteria, state: DecodeState,
@@ -196,7 +270,7 @@ class AutoDrafter(Drafter):
         metrics = metrics.record(active, zeros, zeros)
         hit = draft.valid[:, 0] & (draft.tokens[:, 0] == token)
         reached, hits = observations(active, hit.astype(jnp.int32), 1, self.tree.max_depth)
-        return state, inner_state, metrics, reached, hits
+        return state, inner_state, metrics, *self._ranked(reached, hits)
 
 
 def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_depth: int):
@@ -207,6 +281,30 @@ def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_dep
     seen = active[:, None] & (depth < num_draft) & (accepted[:, None] >= depth)
     hit = seen & (accepted[:, None] > depth)
     return jnp.sum(seen, axis=0).astype(jnp.float32), jnp.sum(hit, axis=0).astype(jnp.float32)
+
+
+def tree_observations(active: jax.Array, path: jax.Array, num_accepted: jax.Array,
+                      tree: TreeSpec, max_depth: int, num_ranks: int):
+    """(reached `[Dmax, R]`, hits `[Dmax, R]`) f32 of one step of a draft tree: at each depth
+    j below a row's accepted count, the accepted node of rank r observes ranks 0..r (r hit,
+    the ones above it missed); at depth num_accepted, the ranks of the last accepted node's
+    children in the tree all missed. path `[B, 1 + tree depth]` (verify indices, 0 = root)."""
+    depth_t = tree.max_depth
+    rank_of = jnp.asarray(np.concatenate([[0], tree.node_ranks]), jnp.int32)  # verify index -> rank
+    present = np.zeros((tree.num_nodes + 1, num_ranks), bool)  # verify row -> its children's ranks
+    for v, kids in enumerate(tree.children):
+        for c in kids:
+            present[v, tree.ranks[c]] = True
+    depth = jnp.arange(depth_t)[None, :]
+    rank = jnp.arange(num_ranks)[None, None, :]
+    accepted = (depth < num_accepted[:, None]) & active[:, None]  # [B, Dt]
+    accepted_rank = rank_of[path[:, 1:]][..., None]  # [B, Dt, 1]
+    missed_at = ((depth == num_accepted[:, None]) & active[:, None])[..., None]
+    last = jnp.take_along_axis(path, jnp.clip(num_accepted, 0, depth_t)[:, None], axis=1)[:, 0]
+    seen = (accepted[..., None] & (rank <= accepted_rank)) | (missed_at & jnp.asarray(present)[last][:, None, :])
+    hit = accepted[..., None] & (rank == accepted_rank)
+    pad = lambda x: jnp.pad(jnp.sum(x, axis=0).astype(jnp.float32), ((0, max_depth - depth_t), (0, 0)))
+    return pad(seen), pad(hit)
 
 
 def updated_estimate(conditional: jax.Array, reached: jax.Array, hits: jax.Array, prior: float,

@@ -56,6 +56,12 @@ class Drafter:
     def name(self) -> str:
         return type(self).__name__
 
+    @property
+    def deepest_draft(self) -> int | None:
+        """The deepest tree the drafter can fill (None: any depth; a Medusa head: its head
+        count, a DFlash / DSpark block: block_size - 1)."""
+        return None
+
     def check_target(self, target_cfg) -> None:
         """Raises ValueError when the drafter cannot serve this target (e.g. another vocab)."""
 

@@ -281,6 +281,12 @@ class DraftModelDrafter(Drafter):
 
     cfg: ModelConfig | None = None
 
+    #: the draft cache is valid below `num_tokens - 2` after every step whatever the tree (the
+    #: chain's fed nodes sit at their committed slots, a tree's accepted path is compacted
+    #: there by `update`, and a plain step of `num_draft="auto"` proposes a chain of 1, which
+    #: re-feeds the last two tokens): one state serves every draft shape
+    shape_free_state = True
+
     def __post_init__(self):
         if not isinstance(self.cfg, ModelConfig):
             raise TypeError("DraftModelDrafter needs the draft model's ModelConfig (cfg=...)")

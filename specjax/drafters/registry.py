@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from specjax.drafters.auto import auto_max_draft
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.forced import make_forced
 from specjax.drafters.layerskip import layerskip_drafter
@@ -32,7 +33,7 @@ from specjax.drafters.suffix import SuffixDrafter
 from specjax.models.config import ModelConfig
 from specjax.models.hub import load_model
 from specjax.models.quant import quantization_of, quantize_params
-from specjax.tree import TreeSpec
+from specjax.tree import TreeSpec, chain
 
 Factory = Callable[[str, "DraftContext"], tuple[Any, Any]]
 FACTORIES: dict[str, Factory] = {}
@@ -130,8 +131,13 @@ def make_drafter(
     target_params=None,
     dtype: str = "float32",
     loader: Callable[[str, str], Any] | None = None,
+    auto: bool = False,
 ):
     """(drafter, drafter params) for a spec string (see the module docstring).
+
+    auto: for `num_draft="auto"`: `tree` is the longest chain auto may compile; the drafter is
+    built on a chain of 1 and then drafts the longest chain it can fill
+    (`drafters.auto.auto_max_draft`: a Medusa head with fewer heads drafts fewer tokens).
 
     target: a loaded model (`.cfg`, `.params`, `.tokenizer`), or pass target_cfg (and
     target_params for layerskip). loader replaces `specjax.models.hub.load_model` for `model:`.
@@ -146,11 +152,14 @@ def make_drafter(
     name, _, arg = spec.strip().partition(":")
     if name not in FACTORIES:
         raise ValueError(f"unknown drafter {spec!r}; choose from {available_drafters()}")
+    longest = tree.max_depth
     context = DraftContext(
-        tree=tree, target_cfg=target_cfg, target_params=target_params,
+        tree=chain(1) if auto else tree, target_cfg=target_cfg, target_params=target_params,
         target_tokenizer=getattr(target, "tokenizer", None), dtype=dtype, loader=loader,
     )
     drafter, params = FACTORIES[name](arg, context)
+    if auto:
+        drafter = dataclasses.replace(drafter, tree=chain(auto_max_draft(drafter, longest)))
     drafter.check_target(target_cfg)
     return drafter, params
 

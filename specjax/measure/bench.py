@@ -125,10 +125,11 @@ def encode_by_category(model, rows: Sequence[dict], chat: bool = True) -> dict[s
     return groups
 
 
-def make_any_drafter(spec: str, tree, model, dtype: str = "float32"):
-    """(drafter, params) for a --draft spec, from the drafter registry."""
+def make_any_drafter(spec: str, tree, model, dtype: str = "float32", auto: bool = False):
+    """(drafter, params) for a --draft spec, from the drafter registry (auto: for
+    num_draft="auto", `tree` its longest chain; `registry.make_drafter`)."""
 
-    return make_drafter(spec, tree=tree, target=model, dtype=dtype)
+    return make_drafter(spec, tree=tree, target=model, dtype=dtype, auto=auto)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,6 +171,12 @@ class HeadDrafter(Drafter):
     module_class: ClassVar[type[nn.Module]]
     head: Any = None
 
+    #: every kind's state is per committed position (a context / one-layer KV cache whose
+    #: committed length mirrors the target cache's, or the last accepted hidden state) and
+    #: `update` ingests the accepted path's rows, however many the step verified: one state
+    #: serves every draft shape (`num_draft="auto"`, `drafters.auto`), up to `deepest_draft`
+    shape_free_state: ClassVar[bool] = True
+
     def __post_init__(self):
         if self.head is None:
             raise ValueError(f"{type(self).__name__} needs a head config")

@@ -1,0 +1,50 @@
+"""How long auto's first-run step-cost profile takes (`specjax.auto_costs.profile_step_costs`),
+split into its first call (compile + one run) and the timed turns, in a fresh process.
+
+    python benchmarks/auto_profile_time.py --model smollm2-135m --draft ngram --batch-size 1 \
+        [--steps 2 --repeats 3 --budget-s 10]   # the old profile: --steps 4 --repeats 5 --budget-s 1e9
+
+Prints one JSON line: {"model", "draft", "batch_size", "steps", "repeats", "total_s",
+"first_call_s", "step_s"}. Run it with SPECJAX_COMPILE_CACHE=0 to time a first run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from specjax import auto_costs
+from specjax.drafters.auto import AutoDrafter, auto_lengths, auto_max_draft
+from specjax.drafters.registry import make_drafter
+from specjax.models.hub import load_model
+from specjax.tree import chain
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft", default="ngram")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=auto_costs.STEPS)
+    p.add_argument("--repeats", type=int, default=auto_costs.REPEATS)
+    p.add_argument("--budget-s", type=float, default=auto_costs.BUDGET_S)
+    args = p.parse_args()
+    model = load_model(args.model, dtype="float32")
+    inner, inner_params = make_drafter(args.draft, tree=chain(8), target=model, auto=True)
+    drafter = AutoDrafter.wrap(inner, auto_lengths(model.cfg.group_size, auto_max_draft(inner)))
+    phases: dict = {}
+    begin = time.perf_counter()
+    step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
+                                           args.batch_size, steps=args.steps,
+                                           repeats=args.repeats, budget_s=args.budget_s,
+                                           phases=phases)
+    total = time.perf_counter() - begin
+    print(json.dumps({"model": args.model, "draft": args.draft, "batch_size": args.batch_size,
+                      "steps": args.steps, "repeats": args.repeats, "total_s": round(total, 1),
+                      "first_call_s": round(phases.get("first_call_s", 0.0), 1),
+                      "timed_s": round(phases.get("timed_s", 0.0), 1),
+                      "step_s": [round(s * 1e3, 2) for s in step_s]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -52,12 +52,13 @@ SHAPES = {
     "dspark": [("block8", ("chain", 8))],
 }
 
-FULL = dict(lm_steps=500, lm_batch=16, seq_len=96, train_docs=4000, drafter_steps=400,
+FULL = dict(lm_steps=500, lm_batch=32, seq_len=96, train_docs=4000, drafter_steps=400,
             drafter_batch=16, train_prompts=512, eval_prompts=48, new_tokens=64,
-            finetune_steps=300, realign_steps=(25, 50, 100, 200))
-SMOKE = dict(lm_steps=30, lm_batch=8, seq_len=48, train_docs=200, drafter_steps=6,
+            finetune_steps=200, realign_steps=(25, 50, 100, 200), kinds=",".join(HEADS),
+            bound_depths=(5, 7))
+SMOKE = dict(lm_steps=20, lm_batch=8, seq_len=48, train_docs=200, drafter_steps=4,
              drafter_batch=4, train_prompts=16, eval_prompts=8, new_tokens=16,
-             finetune_steps=10, realign_steps=(3, 6))
+             finetune_steps=4, realign_steps=(2,), kinds="eagle3,dflash", bound_depths=(5,))
 
 
 def say(text: str) -> None:
@@ -117,12 +118,18 @@ def build_target(folder: Path, world, cfg_args: dict, out_log, base=None):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny budgets: checks the pipeline (CI)")
-    p.add_argument("--kinds", default=",".join(HEADS))
+    p.add_argument("--kinds", default=None, help="comma-separated (default: all; --smoke: eagle3,dflash)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learnable_drafters"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only redraw OUT/learnable_drafters.png from OUT/results.jsonl")
     args = p.parse_args(argv)
     budget = SMOKE if args.smoke else FULL
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = [k for k in (args.kinds or budget["kinds"]).split(",") if k]
+    if args.plot_only:
+        rows = [json.loads(line) for line in (Path(args.out) / "results.jsonl").read_text().splitlines()]
+        plot(Path(args.out), rows)
+        return 0
 
     import numpy as np
 
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
         return evaluate(target, eval_prompts[world_seed], drafter, dparams, new, eval_batch)
 
     def bounds(target, world_seed, phase):
-        for depth in (5, 7):
+        for depth in budget["bound_depths"]:
             self_drafter = DraftModelDrafter(tree=chain(depth), cfg=target.cfg)
             record({"what": "bound", "phase": phase, "drafter": "target-self", "depth": depth,
                     **run_eval(target, world_seed, self_drafter, target.params)})
@@ -215,7 +222,10 @@ def main(argv=None) -> int:
     record({"what": "total", "wall_s": round(time.perf_counter() - t_start, 1)})
     write_summary(out, rows)
     if not args.no_plot:
-        plot(out, rows)
+        try:
+            plot(out, rows)
+        except ImportError:
+            say("matplotlib is missing (the `plots` extra): no PNG; redraw later with --plot-only")
     return 0
 
 
@@ -252,9 +262,10 @@ def plot(out: Path, rows: list[dict]) -> None:
             ax.plot(range(1, len(r["conditional"]) + 1), r["conditional"], marker="o",
                     label=f"{r['kind']} {r['shape']} (AL {r['al']:.2f})")
     for r in rows:
-        if r["what"] == "bound" and r["phase"] == "base" and r["depth"] == 7:
+        if r["what"] == "bound" and r["phase"] == "base" and r["depth"] == max(
+                x.get("depth", 0) for x in rows if x["what"] == "bound"):
             ax.plot(range(1, len(r["conditional"]) + 1), r["conditional"], ls="--",
-                    label=f"{r['drafter']} chain7 (AL {r['al']:.2f})")
+                    label=f"{r['drafter']} chain{r['depth']} (AL {r['al']:.2f})")
     ax.set(xlabel="draft position", ylabel="conditional acceptance", ylim=(0, 1.05),
            title="held-out prompts, base target")
     ax.legend(fontsize=7)

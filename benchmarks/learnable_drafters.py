@@ -52,9 +52,9 @@ SHAPES = {
     "dspark": [("block8", ("chain", 8))],
 }
 
-FULL = dict(lm_steps=500, lm_batch=32, seq_len=96, train_docs=4000, drafter_steps=400,
+FULL = dict(lm_steps=500, lm_batch=32, seq_len=96, train_docs=4000, drafter_steps=200,
             drafter_batch=16, train_prompts=512, eval_prompts=48, new_tokens=64,
-            finetune_steps=200, realign_steps=(25, 50, 100, 200), kinds=",".join(HEADS),
+            finetune_steps=200, realign_steps=(25, 50, 100), kinds=",".join(HEADS),
             bound_depths=(5, 7))
 SMOKE = dict(lm_steps=20, lm_batch=8, seq_len=48, train_docs=200, drafter_steps=4,
              drafter_batch=4, train_prompts=16, eval_prompts=8, new_tokens=16,
@@ -78,16 +78,27 @@ def prefixes(docs, rng, low: int, high: int) -> list[list[int]]:
     return [d.ids[: int(rng.integers(low, high + 1))] for d in docs]
 
 
-def build_target(folder: Path, world, cfg_args: dict, out_log, base=None):
+def build_target(folder: Path, world, cfg_args: dict, out_log, base=None, reuse=False):
     """Trains (base=None: from scratch; else fine-tunes base (cfg, params)) a target on world's
-    corpus and saves it in folder -> (loaded model, log)."""
+    corpus and saves it in folder -> (loaded model, log). reuse: load folder instead when an
+    earlier run left it (with its row in folder/target_row.json)."""
     import jax
 
     from specjax.models.hub import load_model
     from specjax.models.llama import init_params
     from specjax.train import synthetic
-    from specjax.train.target_lm import LMConfig, eval_loss, save_hf, synthetic_target_config, train_lm
+    from specjax.train.target_lm import (
+        LMConfig,
+        eval_loss,
+        save_hf,
+        synthetic_target_config,
+        train_lm,
+    )
 
+    if reuse and (folder / "target_row.json").exists():
+        row = {**json.loads((folder / "target_row.json").read_text()), "reused": True}
+        out_log(row)
+        return load_model(folder), row
     seq = cfg_args["seq_len"]
     train = synthetic.token_windows(synthetic.documents(world, cfg_args["train_docs"], seq, 0), seq)
     held = synthetic.token_windows(synthetic.documents(world, 128, seq, 99), seq)
@@ -111,6 +122,7 @@ def build_target(folder: Path, world, cfg_args: dict, out_log, base=None):
     shutil.rmtree(folder, ignore_errors=True)
     save_hf(folder, cfg.replace(name=folder.name), params)
     synthetic.write_tokenizer(folder)
+    (folder / "target_row.json").write_text(json.dumps(row))
     out_log(row)
     return load_model(folder), row
 
@@ -121,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=None, help="comma-separated (default: all; --smoke: eagle3,dflash)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learnable_drafters"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--reuse-targets", action="store_true",
+                   help="keep OUT/target and OUT/target_shifted of an earlier run with the same "
+                        "budget (their rows are read back) instead of training them again")
     p.add_argument("--plot-only", action="store_true",
                    help="only redraw OUT/learnable_drafters.png from OUT/results.jsonl")
     args = p.parse_args(argv)
@@ -143,8 +158,12 @@ def main(argv=None) -> int:
     from specjax.tree import chain
 
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    keep = {"target", "target_shifted"} if args.reuse_targets else set()
+    if out.exists():
+        for old in out.iterdir():
+            if old.name not in keep:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     rows: list[dict] = []
 
@@ -157,7 +176,7 @@ def main(argv=None) -> int:
     seq = budget["seq_len"]
     new = budget["new_tokens"]
     world0, world1 = synthetic.World(0), synthetic.World(1)
-    model, _ = build_target(out / "target", world0, budget, record)
+    model, _ = build_target(out / "target", world0, budget, record, reuse=args.reuse_targets)
     rng = np.random.default_rng(0)
     eval_docs = {w.seed: synthetic.documents(w, budget["eval_prompts"], seq, 1234) for w in (world0, world1)}
     eval_prompts = {s: prefixes(d, np.random.default_rng(5), 8, seq - new - 1) for s, d in eval_docs.items()}
@@ -203,7 +222,8 @@ def main(argv=None) -> int:
             "acc": {k: round(v, 3) for k, v in log[-1].items() if k.startswith("acc")}})
 
     # ---- 4: realignment after the target is fine-tuned on the shifted corpus ----------------
-    tuned, _ = build_target(out / "target_shifted", world1, budget, record, base=model)
+    tuned, _ = build_target(out / "target_shifted", world1, budget, record, base=model,
+                            reuse=args.reuse_targets)
     bounds(tuned, 1, "shifted")
     data1 = prepare_data(tuned, train_prompts[1], out / "data1", seq_len=seq, max_new_tokens=new,
                          temperature=0.0, seed=0, batch_size=64, progress=False)

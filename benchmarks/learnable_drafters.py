@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -133,16 +134,24 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=None, help="comma-separated (default: all; --smoke: eagle3,dflash)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learnable_drafters"))
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--reuse-targets", action="store_true",
-                   help="keep OUT/target and OUT/target_shifted of an earlier run with the same "
-                        "budget (their rows are read back) instead of training them again")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the targets, the data and the base heads an earlier run with the "
+                        "same budget left in OUT (their rows are read back) instead of training "
+                        "them again; the measurements all run again")
+    p.add_argument("--drafter-steps", type=int, default=None,
+                   help="training steps of every head (default: the budget's)")
+    p.add_argument("--skip-realign", action="store_true", help="stop after the base target's heads")
     p.add_argument("--plot-only", action="store_true",
-                   help="only redraw OUT/learnable_drafters.png from OUT/results.jsonl")
+                   help="only rewrite OUT/summary.md and redraw OUT/learnable_drafters.png "
+                        "from OUT/results.jsonl")
     args = p.parse_args(argv)
-    budget = SMOKE if args.smoke else FULL
+    budget = dict(SMOKE if args.smoke else FULL)
+    if args.drafter_steps:
+        budget["drafter_steps"] = args.drafter_steps
     kinds = [k for k in (args.kinds or budget["kinds"]).split(",") if k]
     if args.plot_only:
         rows = [json.loads(line) for line in (Path(args.out) / "results.jsonl").read_text().splitlines()]
+        write_summary(Path(args.out), rows)
         plot(Path(args.out), rows)
         return 0
 
@@ -158,7 +167,7 @@ def main(argv=None) -> int:
     from specjax.tree import chain
 
     out = Path(args.out)
-    keep = {"target", "target_shifted"} if args.reuse_targets else set()
+    keep = {"target", "target_shifted", "data0", "data1", "drafters"} if args.reuse else set()
     if out.exists():
         for old in out.iterdir():
             if old.name not in keep:
@@ -176,7 +185,7 @@ def main(argv=None) -> int:
     seq = budget["seq_len"]
     new = budget["new_tokens"]
     world0, world1 = synthetic.World(0), synthetic.World(1)
-    model, _ = build_target(out / "target", world0, budget, record, reuse=args.reuse_targets)
+    model, _ = build_target(out / "target", world0, budget, record, reuse=args.reuse)
     rng = np.random.default_rng(0)
     eval_docs = {w.seed: synthetic.documents(w, budget["eval_prompts"], seq, 1234) for w in (world0, world1)}
     eval_prompts = {s: prefixes(d, np.random.default_rng(5), 8, seq - new - 1) for s, d in eval_docs.items()}
@@ -196,16 +205,22 @@ def main(argv=None) -> int:
                     **run_eval(target, world_seed, NgramDrafter(chain(depth)), None)})
 
     def measure(target, world_seed, folder, kind, phase, extra):
-        head, variables = load_trained(folder, target.cfg)
+        # the checkpoint of the step the row names (None: the stale base head); a missing one
+        # fails instead of measuring another step
+        step = extra.get("steps") or None
+        head, variables = load_trained(folder, target.cfg, step=step)
         dparams = drafter_params(variables, target.params, head)
         for label, spec in SHAPES[kind]:
             drafter = make_learned_drafter(head, make_tree(spec))
             record({"what": "drafter", "phase": phase, "kind": kind, "shape": label,
                     **extra, **run_eval(target, world_seed, drafter, dparams)})
 
-    def tc(steps, **kw):
+    def tc(steps, save_every=None):
+        # a run stopped early (stop_after) must checkpoint where it stops: save_every divides
+        # every stop, or the next chunk resumes (and the measurement loads) an earlier step
         return TrainConfig(steps=steps, batch_size=budget["drafter_batch"], learning_rate=2e-3,
-                           save_every=max(steps, 1), keep=1, log_every=max(1, steps // 10), **kw)
+                           save_every=save_every or steps, keep=1,
+                           log_every=max(1, (save_every or steps) // 5))
 
     # ---- 1-3: every kind on the base target -------------------------------------------------
     bounds(model, 0, "base")
@@ -214,16 +229,26 @@ def main(argv=None) -> int:
     for kind in kinds:
         folder = out / "drafters" / kind
         start = time.perf_counter()
-        _, log = train_drafter(model, kind, data, folder, tc(budget["drafter_steps"]),
-                               head_options=HEADS[kind], progress=False)
+        steps = budget["drafter_steps"]
+        if args.reuse and (folder / "checkpoints" / str(steps)).exists():
+            log = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+            say(f"{kind}: reusing {folder} (trained {log[-1]['elapsed_s']:.0f} s)")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            _, log = train_drafter(model, kind, data, folder, tc(steps), head_options=HEADS[kind],
+                                   progress=False)
         measure(model, 0, folder, kind, "base", {
             "steps": budget["drafter_steps"], "train_tokens": log[-1]["tokens"],
-            "loss": round(log[-1]["loss"], 4), "train_s": round(time.perf_counter() - start, 1),
+            "loss": round(log[-1]["loss"], 4),
+            "train_s": round(log[-1]["elapsed_s"] if args.reuse else time.perf_counter() - start, 1),
             "acc": {k: round(v, 3) for k, v in log[-1].items() if k.startswith("acc")}})
 
     # ---- 4: realignment after the target is fine-tuned on the shifted corpus ----------------
+    if args.skip_realign:
+        write_summary(out, rows)
+        return 0
     tuned, _ = build_target(out / "target_shifted", world1, budget, record, base=model,
-                            reuse=args.reuse_targets)
+                            reuse=args.reuse)
     bounds(tuned, 1, "shifted")
     data1 = prepare_data(tuned, train_prompts[1], out / "data1", seq_len=seq, max_new_tokens=new,
                          temperature=0.0, seed=0, batch_size=64, progress=False)
@@ -234,7 +259,8 @@ def main(argv=None) -> int:
             total = budget["realign_steps"][-1]
             for stop in budget["realign_steps"]:
                 init = out / "drafters" / kind if start_from == "init_from" else None
-                _, log = train_drafter(tuned, kind, data1, folder, tc(total), resume=True,
+                _, log = train_drafter(tuned, kind, data1, folder,
+                                       tc(total, math.gcd(*budget["realign_steps"])), resume=True,
                                        stop_after=stop, progress=False,
                                        head_options=None if init else HEADS[kind], init_from=init)
                 measure(tuned, 1, folder, kind, start_from,
@@ -250,15 +276,16 @@ def main(argv=None) -> int:
 
 
 def write_summary(out: Path, rows: list[dict]) -> None:
-    lines = ["| phase | drafter | shape | steps | AL | conditional acceptance by position |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| phase | drafter | shape | steps | AL | conditional acceptance by position | "
+             "training accuracy by depth (last log row) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["what"] == "bound":
             lines.append(f"| {r['phase']} | {r['drafter']} | chain{r['depth']} | | {r['al']} | "
-                         f"{r['conditional']} |")
+                         f"{r['conditional']} | |")
         elif r["what"] == "drafter":
+            acc = list(r["acc"].values()) if "acc" in r else ""
             lines.append(f"| {r['phase']} | {r['kind']} | {r['shape']} | {r.get('steps', '')} | "
-                         f"{r['al']} | {r['conditional']} |")
+                         f"{r['al']} | {r['conditional']} | {acc} |")
     targets = [r for r in rows if r["what"] == "target"]
     lines += ["", "| target | world | steps | tokens | train s | held-out loss | corpus entropy |",
               "|---|---|---|---|---|---|---|"]

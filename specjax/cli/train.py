@@ -57,6 +57,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (data, checkpoints, drafter.json); "
                    "must be empty or new unless --resume")
     p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
+    p.add_argument("--init-from", metavar="DRAFTER_DIR", default=None,
+                   help="start from this trained drafter (a train-drafter OUT of the same --kind "
+                        "and target shapes), e.g. to realign it after the target was fine-tuned; "
+                        "its head config is kept")
     p.add_argument("--lr", type=finite_float_above(0, inclusive=False), default=3e-4,
                    help="peak learning rate (AdamW, warmup then cosine decay)")
     p.add_argument("--warmup", type=int_at_least(0), default=0,
@@ -97,6 +101,12 @@ def check_options(args) -> None:
         raise InputError(f"{', '.join(given)} does not apply to --kind {args.kind}")
     if args.warmup >= args.steps:
         raise InputError(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.init_from is not None:
+        start = Path(args.init_from)
+        if not start.is_dir():
+            raise InputError(f"--init-from {start}: no such folder (a train-drafter output)")
+        if not (start / "drafter.json").is_file():
+            raise InputError(f"--init-from {start}: no drafter.json (not a train-drafter output)")
 
 
 def check_out_folder(out: Path, resume: bool) -> None:
@@ -131,6 +141,17 @@ def check_against_target(args, cfg) -> None:
                          f"({cfg.max_position_embeddings} positions): pass at most that")
 
 
+def check_init_from(args, cfg) -> None:
+    """--init-from holds a drafter of --kind for this target's shapes (and the head options
+    given, if any), checked before the data is generated."""
+    from specjax.train.trainer import load_init  # optax + orbax: ~1.5 s other commands skip
+
+    try:
+        load_init(args.init_from, args.kind, cfg, head_options(args))
+    except ValueError as e:
+        raise InputError(f"--init-from {e}") from None
+
+
 def cmd_train_drafter(args) -> int:
     from specjax.train.trainer import (  # optax + orbax: ~1.5 s other commands skip
         TrainConfig,
@@ -148,6 +169,8 @@ def cmd_train_drafter(args) -> int:
     target = hub.load_model(args.model, dtype=args.dtype, shardings=shardings,
                             quantize=args.quantize)
     check_against_target(args, target.cfg)
+    if args.init_from is not None:
+        check_init_from(args, target.cfg)
     tok = target.tokenizer
     prompts = [tok.encode(r["prompt"]) if args.no_chat else tok.encode_chat(r["prompt"]) for r in rows]
     data = prepare_data(target, prompts, out, seq_len=args.seq_len, max_new_tokens=args.max_new_tokens,
@@ -157,7 +180,7 @@ def cmd_train_drafter(args) -> int:
                      warmup_steps=args.warmup, seed=args.seed, save_every=args.save_every,
                      keep=args.keep)
     _state, log = train_drafter(target, args.kind, data, out, tc, head_options=head_options(args),
-                               resume=args.resume, mesh=mesh)
+                               resume=args.resume, mesh=mesh, init_from=args.init_from)
     if log:
         last = log[-1]
         print(f"{args.kind}: step {last['step']}, loss {last['loss']:.4f}, "

@@ -107,15 +107,36 @@ class TrainState:
 
 
 def init_train_state(head_cfg, tc: TrainConfig, consts: dict | None = None,
-                     target_params=None) -> TrainState:
+                     target_params=None, start: dict | None = None) -> TrainState:
     """Fresh state: head params from PRNGKey(seed) (the LM-head-side pieces from the target's
-    when target_params is given, the kind's `init_from_target`), optimizer state, step 0."""
-    variables = init_head(head_cfg, jax.random.PRNGKey(tc.seed), consts)
-    if target_params is not None:
-        variables = init_from_target(head_cfg, variables, target_params)
+    when target_params is given, the kind's `init_from_target`), optimizer state, step 0.
+
+    start: head variables {"params", "consts"} to start from instead (an earlier drafter,
+    `load_init`); their shapes must be the head config's."""
+    if start is not None:
+        variables = {"params": start["params"], "consts": dict(start.get("consts", {}))}
+        check_shapes(head_cfg, variables)
+    else:
+        variables = init_head(head_cfg, jax.random.PRNGKey(tc.seed), consts)
+        if target_params is not None:
+            variables = init_from_target(head_cfg, variables, target_params)
     params = variables["params"]
     return TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(tc).init(params),
                       consts=variables.get("consts", {}))
+
+
+def check_shapes(head_cfg, variables: dict) -> None:
+    """ValueError naming the first leaf whose shape is not the one a fresh head of head_cfg has."""
+    want = jax.eval_shape(lambda: init_head(head_cfg, jax.random.PRNGKey(0)))
+    want = {"params": want["params"], "consts": want.get("consts", {})}
+    got = jax.tree_util.tree_flatten_with_path(variables)[0]
+    expected = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+    if {path for path, _ in got} != set(expected):
+        raise ValueError(f"its {head_cfg.kind} head has other parameters than this head config")
+    for path, leaf in got:
+        if tuple(np.shape(leaf)) != tuple(expected[path].shape):
+            raise ValueError(f"{jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, "
+                             f"this {head_cfg.kind} head needs {tuple(expected[path].shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("head_cfg", "tc"))
@@ -222,7 +243,8 @@ def batch_on(mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 
 def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: str | Path, *,
           consts: dict | None = None, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True, mesh=None) -> tuple[TrainState, list[dict]]:
+          progress: bool = True, mesh=None, init_variables: dict | None = None
+          ) -> tuple[TrainState, list[dict]]:
     """Trains a head for `tc.steps` steps; checkpoints into out_dir; returns (state, log rows).
 
     mesh: a `jax.sharding.Mesh` (axes dp, tp) that target_params are placed on
@@ -232,11 +254,13 @@ def train(head_cfg, target_params, data: Sequences, tc: TrainConfig, out_dir: st
 
     resume: continue from the latest checkpoint in out_dir (a fresh start when there is none).
     stop_after: stop (as if killed) once this many steps are done -- for tests.
+    init_variables: head variables a fresh run starts from (`load_init`; ignored when resuming from a
+    checkpoint); default: a random head (`init_train_state`).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mngr = checkpoint_manager(out_dir, tc)
-    state = shard_params(init_train_state(head_cfg, tc, consts, target_params), mesh)
+    state = shard_params(init_train_state(head_cfg, tc, consts, target_params, init_variables), mesh)
     if resume and mngr.latest_step() is not None:
         state = restore_state(mngr, state)
     elif mngr.latest_step() is not None:
@@ -353,24 +377,72 @@ def prepare_data(target, prompts: list[list[int]], out_dir: Path, *, seq_len: in
     return data
 
 
+def load_init(folder: str | Path, kind: str, target_cfg, head_options: dict | None = None):
+    """(head config, variables) of the trained drafter in `folder` to start a new run from
+    (`train-drafter --init-from`, e.g. to realign a drafter after its target was fine-tuned).
+
+    The head config is the old drafter's, for target_cfg; head_options, when given, must agree
+    with it. A missing folder, another kind, a target of other shapes or a head of other shapes
+    -> one-line ValueError naming the folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: no such folder (a `specjax train-drafter` output)")
+    if not (folder / checkpoint.DESCRIPTION).is_file():
+        raise ValueError(f"{folder}: no {checkpoint.DESCRIPTION} (not a `specjax train-drafter` output)")
+    desc, head_cfg = checkpoint.read_description(folder, target_cfg)
+    if desc["kind"] != kind:
+        raise ValueError(f"{folder} holds a {desc['kind']} drafter, not {kind}")
+    old_target = checkpoint.described_target(folder)
+    if old_target is not None:
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim"):
+            if getattr(old_target, field) != getattr(target_cfg, field):
+                raise ValueError(f"{folder}: trained for a target with {field}="
+                                 f"{getattr(old_target, field)}, this target has "
+                                 f"{getattr(target_cfg, field)}")
+    if head_options:
+        wanted = make_head_config(kind, target_cfg, **head_options)
+        differ = [f.name for f in dataclasses.fields(wanted)
+                  if getattr(wanted, f.name) != getattr(head_cfg, f.name)]
+        if differ:
+            raise ValueError(f"{folder}: its {kind} head has other "
+                             + ", ".join(f"{n}={getattr(head_cfg, n)!r} (asked {getattr(wanted, n)!r})"
+                                         for n in differ))
+    try:
+        _, variables = checkpoint.load_trained(folder, target_cfg)
+    except (OSError, KeyError, TypeError, RuntimeError) as e:  # orbax: stored arrays of other shapes than the head config's
+        raise ValueError(f"{folder}: its checkpoint does not fit its {kind} head config "
+                         f"({type(e).__name__})") from None
+    try:
+        check_shapes(head_cfg, variables)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    return head_cfg, variables
+
+
 def train_drafter(target, kind: str, data: Sequences, out_dir: str | Path, tc: TrainConfig, *,
                   head_options: dict | None = None, resume: bool = False, progress: bool = True,
-                  stop_after: int | None = None, mesh=None):
+                  stop_after: int | None = None, mesh=None, init_from: str | Path | None = None):
     """Builds the head of `kind` for the loaded target (cfg, params) and trains it on `data`.
 
     On resume the head config comes from OUT/drafter.json (head_options are ignored).
     Non-trained head constants come from the data (the kind's `consts_from_data`: EAGLE-3's
     reduced vocabulary is the data's most frequent response tokens).
+    init_from: a trained drafter folder of the same kind to start from (`load_init`: its head
+    config, params and consts; a run resumed from its own checkpoint ignores it).
     """
     out_dir = Path(out_dir)
     described = out_dir / checkpoint.DESCRIPTION
+    start = None
+    if init_from is not None:
+        head_cfg, start = load_init(init_from, kind, target.cfg, head_options)
     if resume and described.exists():
         desc, head_cfg, _tc = read_description(out_dir, target.cfg)
         if desc["kind"] != kind:
             raise ValueError(f"{out_dir} holds a {desc['kind']} drafter, not {kind}")
-    else:
+    elif start is None:
         head_cfg = make_head_config(kind, target.cfg, **(head_options or {}))
     from_data = kind_of(head_cfg).consts_from_data
-    consts = from_data(head_cfg, response_tokens(data)) if from_data else None
+    consts = from_data(head_cfg, response_tokens(data)) if from_data and start is None else None
     return train(head_cfg, target.params, data, tc, out_dir, consts=consts, resume=resume,
-                 progress=progress, stop_after=stop_after, mesh=mesh)
+                 progress=progress, stop_after=stop_after, mesh=mesh, init_variables=start)

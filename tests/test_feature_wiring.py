@@ -124,11 +124,16 @@ def close(a, b, committed, what):
                                    rtol=2e-5, err_msg=f"{what}, row {row}")
 
 
-def check_sequential(head, drafter, dparams, state, dstate, tout, committed):
-    model, variables, parts = drafter.model, dparams["head"], dparams["target"]
-    view = TargetView(head.target)
+def unpacked(head, drafter, dparams, state):
+    """(head module, its variables, the target's params, the target view, tokens `[B, W]`,
+    positions `[B, W]`) that a wiring check reads."""
     tokens = state.tokens
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return drafter.model, dparams["head"], dparams["target"], TargetView(head.target), tokens, positions
+
+
+def check_sequential(head, drafter, dparams, state, dstate, tout, committed):
+    model, variables, parts, view, tokens, positions = unpacked(head, drafter, dparams, state)
     feats = model.apply(variables, tout.layer_hidden, method="features")
     # step 0 of the training-time test at index j: feature j, token j + 1, position j
     _, k, v, _ = model.apply(variables, feats, view.embed(parts, shift_left(tokens, 1)), positions,
@@ -143,10 +148,7 @@ def check_sequential(head, drafter, dparams, state, dstate, tout, committed):
 
 
 def check_block(head, drafter, dparams, state, dstate, tout, committed):
-    model, variables, parts = drafter.model, dparams["head"], dparams["target"]
-    view = TargetView(head.target)
-    tokens = state.tokens
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    model, variables, parts, view, tokens, positions = unpacked(head, drafter, dparams, state)
     context = model.apply(variables, tout.layer_hidden, method="context")
     k, v = model.apply(variables, context, positions, method="context_kv")  # [Ld, B, T, ...]
     cache_k, cache_v = dstate.cache.token_major()

@@ -27,6 +27,7 @@ from specjax.models.cache import init_cache
 from specjax.models.checkpoint import params_to_hf
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward
+from specjax.train.trainer import adamw_cosine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +63,9 @@ def lm_loss(cfg: ModelConfig, params, tokens: jax.Array) -> jax.Array:
 
 
 def make_optimizer(lc: LMConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lc.learning_rate, min(lc.warmup_steps, max(lc.steps - 1, 1)),
-        max(lc.steps, lc.warmup_steps + 1), lc.learning_rate * lc.end_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(lc.grad_clip),
-                       optax.adamw(schedule, weight_decay=lc.weight_decay))
+    return adamw_cosine(lc.learning_rate, min(lc.warmup_steps, max(lc.steps - 1, 1)),
+                        max(lc.steps, lc.warmup_steps + 1), lc.end_lr_ratio, lc.weight_decay,
+                        lc.grad_clip)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "lc"))

@@ -82,16 +82,21 @@ class TrainConfig:
         return self.warmup_steps or max(1, self.steps // 20)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping + AdamW on a linear-warmup, cosine-decay schedule."""
+def adamw_cosine(learning_rate: float, warmup: int, decay_steps: int, end_lr_ratio: float,
+                 weight_decay: float, grad_clip: float) -> optax.GradientTransformation:
+    """Global-norm clipping + AdamW on a linear-warmup, cosine-decay schedule (the drafter
+    trainer's and the synthetic target's, `train.target_lm`)."""
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup,
-        decay_steps=max(tc.steps, tc.warmup + 1), end_value=tc.learning_rate * tc.end_lr_ratio,
+        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup, decay_steps=decay_steps,
+        end_value=learning_rate * end_lr_ratio,
     )
-    return optax.chain(
-        optax.clip_by_global_norm(tc.grad_clip),
-        optax.adamw(schedule, weight_decay=tc.weight_decay),
-    )
+    return optax.chain(optax.clip_by_global_norm(grad_clip),
+                       optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    return adamw_cosine(tc.learning_rate, tc.warmup, max(tc.steps, tc.warmup + 1), tc.end_lr_ratio,
+                        tc.weight_decay, tc.grad_clip)
 
 
 @struct.dataclass

@@ -2,7 +2,7 @@
 
 One command reproduces every number of docs/drafters.md "Learned heads in a learnable setting":
 
-    python benchmarks/learnable_drafters.py                  # ~25 min on a 2-core CPU
+    python benchmarks/learnable_drafters.py                  # 12.5 min on an idle 2-core CPU
     python benchmarks/learnable_drafters.py --smoke          # ~1-2 min, tiny budgets (CI)
 
 1. corpus: `specjax.train.synthetic` (World 0), its entropy per token (exact per-document

@@ -24,6 +24,7 @@ from specjax.cli.options import (
     int_at_least,
     mesh_shardings,
 )
+from specjax.drafters.learned.checkpoint import trained_folder_problem
 from specjax.drafters.learned.kind import HeadOption
 from specjax.drafters.learned.registry import KINDS, get_kind, make_head_config, option_flags
 from specjax.models import hub
@@ -101,12 +102,9 @@ def check_options(args) -> None:
         raise InputError(f"{', '.join(given)} does not apply to --kind {args.kind}")
     if args.warmup >= args.steps:
         raise InputError(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    if args.init_from is not None:
-        start = Path(args.init_from)
-        if not start.is_dir():
-            raise InputError(f"--init-from {start}: no such folder (a train-drafter output)")
-        if not (start / "drafter.json").is_file():
-            raise InputError(f"--init-from {start}: no drafter.json (not a train-drafter output)")
+    problem = args.init_from and trained_folder_problem(Path(args.init_from))
+    if problem:
+        raise InputError(f"--init-from {args.init_from}: {problem}")
 
 
 def check_out_folder(out: Path, resume: bool) -> None:

@@ -390,10 +390,9 @@ def load_init(folder: str | Path, kind: str, target_cfg, head_options: dict | No
     with it. A missing folder, another kind, a target of other shapes or a head of other shapes
     -> one-line ValueError naming the folder."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"{folder}: no such folder (a `specjax train-drafter` output)")
-    if not (folder / checkpoint.DESCRIPTION).is_file():
-        raise ValueError(f"{folder}: no {checkpoint.DESCRIPTION} (not a `specjax train-drafter` output)")
+    problem = checkpoint.trained_folder_problem(folder)
+    if problem:
+        raise ValueError(f"{folder}: {problem}")
     desc, head_cfg = checkpoint.read_description(folder, target_cfg)
     if desc["kind"] != kind:
         raise ValueError(f"{folder} holds a {desc['kind']} drafter, not {kind}")

@@ -35,6 +35,16 @@ from specjax.tree import TreeSpec
 
 FORMAT = "specjax-drafter-v1"
 DESCRIPTION = "drafter.json"
+
+
+def trained_folder_problem(folder: Path) -> str | None:
+    """What keeps `folder` from being a `specjax train-drafter` output (no such folder, no
+    DESCRIPTION), as the end of a sentence naming it; None when it looks like one."""
+    if not folder.is_dir():
+        return "no such folder (a `specjax train-drafter` output)"
+    if not (folder / DESCRIPTION).is_file():
+        return f"no {DESCRIPTION} (not a `specjax train-drafter` output)"
+    return None
 CHECKPOINTS = "checkpoints"
 
 

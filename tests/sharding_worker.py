@@ -18,8 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_devices import xla_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 
 import jax
 import jax.numpy as jnp

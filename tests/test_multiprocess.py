@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_devices import xla_flags
 from helpers import write_gguf
 
 from specjax.cli.main import main as cli_main
@@ -41,7 +42,7 @@ def run_processes(argv: list[str], count: int, timeout: float = 300,
     CPU devices; their results."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", "import sys; from specjax.cli.main import main; "

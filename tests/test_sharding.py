@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from fake_devices import xla_flags
 from helpers import tiny_config
 from jax.sharding import PartitionSpec as P
 
@@ -184,7 +185,7 @@ def test_loop_collectives_count_the_loop_only():
 def worker(tmp_path_factory):
     """Every multi-device case, run once in a subprocess with 8 fake CPU devices."""
     out = tmp_path_factory.mktemp("sharding") / "results.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

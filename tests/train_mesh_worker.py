@@ -12,8 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_devices import xla_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = xla_flags(4)
 
 import jax
 import numpy as np

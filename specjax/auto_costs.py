@@ -34,7 +34,9 @@ from specjax.models.hub import cache_dir
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 
-VERSION = 1
+#: what the branches do; files of another version are profiled again (2: model-based drafters'
+#: plain branch syncs instead of proposing, so it costs less)
+VERSION = 2
 CONTEXT = 64  # prompt tokens cached before the timed steps
 STEPS = 2  # steps per timed call
 REPEATS = 3  # timed calls per branch (medians), at most

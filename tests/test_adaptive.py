@@ -175,6 +175,41 @@ def test_the_drafter_state_after_switching_shapes_is_what_a_fresh_prefill_gives(
     np.testing.assert_allclose(probs, fresh_probs, atol=1e-4)
 
 
+class NoProposals(DraftModelDrafter):
+    """A draft model that must not be asked for a draft."""
+
+    def propose(self, *args):
+        raise AssertionError("a plain step asked a draft model to propose")
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "layerskip", "eagle3", "ngram"])
+def test_a_plain_step_asks_only_lookup_drafters_for_a_proposal(kind):
+    """auto's plain branch costs a plain decoding step for a drafter that runs a model to
+    propose (it only syncs, and observes nothing); a lookup drafter (n-gram) proposes one
+    token there and observes depth 0."""
+    from specjax.loop import StopCriteria, spec_start_program
+    from specjax.models.cache import init_cache
+    from specjax.sampling import SamplingParams
+
+    cfg, params = model()
+    inner, inner_params = (INNER[kind][0], None) if kind == "ngram" else stateful(kind)
+    drafter = AutoDrafter.wrap(inner, (0, 1))
+    auto_params = AutoParams(inner=inner_params, step_s=jnp.ones(2))
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    prompt = PROMPTS[0]
+    state, drafter_state, metrics = spec_start_program(
+        cfg, params, drafter, auto_params, jnp.asarray([prompt], jnp.int32),
+        jnp.asarray([len(prompt)], jnp.int32), jnp.asarray([8], jnp.int32), init_cache(cfg, 1, 32),
+        jax.random.PRNGKey(0), sampling, criteria, (), width=32)
+    if kind == "draft_model":
+        drafter = AutoDrafter.wrap(NoProposals(tree=chain(1), cfg=inner.cfg), (0, 1))
+    plain_step = functools.partial(drafter._plain_branch, cfg, params, inner_params, sampling,
+                                   criteria)
+    *_, reached, hits = jax.jit(plain_step)(state, drafter_state.inner, metrics)
+    assert drafter.inner.observe_plain_steps == (kind == "ngram")
+    assert float(reached[0, 0]) == (1.0 if kind == "ngram" else 0.0)
+
+
 def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
     drafter, _ = auto("ngram")
     cheap_plain = AutoParams(inner=None, step_s=jnp.asarray([1e-3, 1.0, 1.0, 1.0]))

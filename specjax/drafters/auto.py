@@ -8,11 +8,15 @@ step), every branch the whole step of that shape on the same operands:
 
 - D > 0: `loop.fixed_spec_step` of the inner drafter re-shaped to a chain of D (the state is
   the same pytree for every D, so each branch reads and writes it as it is);
-- D = 0: `loop.ar_step_out`, plus the inner drafter's chain-of-1 proposal, to observe
-  whether its first token would have been accepted (no verify cost), and its `update` with
-  the root's row as the accepted path. The proposal also keeps stateful drafters in step: a
-  draft model re-feeds the last two committed tokens there, so its cache stays valid below
-  `num_tokens - 2` as after any spec step; the learned heads ingest the root's features.
+- D = 0: `loop.ar_step_out` and the inner drafter's `update` with the root's row as the
+  accepted path (the learned heads ingest the root's features there). A drafter whose
+  proposal is a lookup (`Drafter.observe_plain_steps`: n-gram, suffix) also proposes a chain
+  of 1, to observe whether its first token would have been accepted (no verify cost); one
+  that runs a model to propose only `sync`s instead (a draft model feeds the token before the
+  root, layerskip copies it from the target's cache, so the draft cache stays valid below
+  `num_tokens - 2` as after any spec step), and the step costs what a plain decoding step
+  does: running the proposal there made layerskip:8's plain branch 1.7x a plain step, and auto
+  0.53x plain decoding where it rightly picked D = 0.
 
 The candidate chain lengths are those the drafter can produce: `auto_lengths` up to
 `auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
@@ -257,19 +261,29 @@ class AutoDrafter(Drafter):
 
     def _plain_branch(self, target, params, inner_params, sampling, criteria, state: DecodeState,
                       inner_state, metrics):
-        """A plain step; the chain-of-1 draft only observes depth 0 (and the drafter updates)."""
+        """A plain step, the drafter kept in step (`update` with the root as the accepted path).
+        With `observe_plain_steps` a chain-of-1 draft observes depth 0 on the way; without, the
+        drafter only `sync`s, nothing is observed (the estimate relaxes to the prior, so a
+        drafter that stopped paying is tried again now and then)."""
         active = ~state.done
         drafter = self.shaped(1)
-        propose_key = split_rows(state.next_keys(), state.tokens.shape[0], 2)[0]
-        draft, inner_state = drafter.propose(inner_params, inner_state, state, propose_key, sampling)
+        if drafter.observe_plain_steps:
+            propose_key = split_rows(state.next_keys(), state.tokens.shape[0], 2)[0]
+            draft, inner_state = drafter.propose(inner_params, inner_state, state, propose_key,
+                                                 sampling)
+        else:
+            inner_state = drafter.sync(inner_params, inner_state, state)
         state, token, out = ar_step_out(target, params, state, sampling, criteria, drafter.hidden_layers)
         zeros = jnp.zeros_like(token)
         result = AcceptResult(path=jnp.zeros((token.shape[0], 2), jnp.int32), num_accepted=zeros,
                               next_token=token)
         inner_state = drafter.update(inner_params, inner_state, state, result, out)
         metrics = metrics.record(active, zeros, zeros)
-        hit = draft.valid[:, 0] & (draft.tokens[:, 0] == token)
-        reached, hits = observations(active, hit.astype(jnp.int32), 1, self.tree.max_depth)
+        if drafter.observe_plain_steps:
+            hit = draft.valid[:, 0] & (draft.tokens[:, 0] == token)
+            reached, hits = observations(active, hit.astype(jnp.int32), 1, self.tree.max_depth)
+        else:
+            reached = hits = jnp.zeros((self.tree.max_depth,), jnp.float32)
         return state, inner_state, metrics, *self._ranked(reached, hits)
 
 

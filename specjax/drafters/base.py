@@ -51,6 +51,11 @@ class Drafter:
     #: the state's pytree (structure, shapes) is the same whatever `tree` is, so the same
     #: state serves every draft shape: what `num_draft="auto"` needs (`drafters.auto`)
     shape_free_state: ClassVar[bool] = False
+    #: `num_draft="auto"`'s plain steps (`drafters.auto`) run a chain-of-1 proposal to observe
+    #: whether the first draft token would have been accepted: worth it when a proposal is a
+    #: lookup next to a target step (n-gram, suffix). A drafter that runs a model to propose sets
+    #: it False: its plain steps only `sync`, so they cost what a plain decoding step does
+    observe_plain_steps: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
@@ -108,6 +113,13 @@ class Drafter:
     def update(
         self, params, state: DrafterState, decode, result: AcceptResult, target_out
     ) -> DrafterState:
+        return state
+
+    def sync(self, params, state: DrafterState, decode) -> DrafterState:
+        """The state as `propose` would leave it for `update`, without drafting: what a plain
+        step of auto runs in place of the proposal when `observe_plain_steps` is False
+        (decode: the state before the step). Default: unchanged (a proposal that leaves the
+        state alone, as the learned heads' do)."""
         return state
 
     def accept(

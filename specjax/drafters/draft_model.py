@@ -283,9 +283,11 @@ class DraftModelDrafter(Drafter):
 
     #: the draft cache is valid below `num_tokens - 2` after every step whatever the tree (the
     #: chain's fed nodes sit at their committed slots, a tree's accepted path is compacted
-    #: there by `update`, and a plain step of `num_draft="auto"` proposes a chain of 1, which
-    #: re-feeds the last two tokens): one state serves every draft shape
+    #: there by `update`, and a plain step of `num_draft="auto"` feeds the token before the
+    #: root, `sync`): one state serves every draft shape
     shape_free_state = True
+    #: a proposal runs the draft model: auto's plain steps `sync` instead
+    observe_plain_steps = False
 
     def __post_init__(self):
         if not isinstance(self.cfg, ModelConfig):
@@ -361,6 +363,15 @@ class DraftModelDrafter(Drafter):
         )
         (cache, tokens, valid, probs), _ = jax.lax.scan(iteration, carry, tables)
         return Draft(tokens=tokens, valid=valid, probs=probs), state.replace(cache=cache, base=length)
+
+    def sync(self, params, state: DraftModelState, decode) -> DraftModelState:
+        """Feeds the token before the root (at `num_tokens - 2`, no logits): the draft cache is
+        valid below `num_tokens - 1`, what the step after a plain one needs."""
+        before_root = decode.num_tokens - 2  # [B]
+        token = jnp.take_along_axis(decode.tokens, before_root[:, None], axis=1)
+        out = forward(self.cfg, self.model_params(params), token, before_root[:, None],
+                      state.cache.replace(lengths=before_root), compute_logits=False)
+        return state.replace(cache=out.cache, base=decode.num_tokens)
 
     def update(self, params, state: DraftModelState, decode, result, target_out) -> DraftModelState:
         """Moves the accepted path's fed nodes to their committed slots (trees only)."""

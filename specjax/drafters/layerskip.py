@@ -13,6 +13,7 @@ import dataclasses
 import jax
 
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.models.cache import K_SEQ_AXIS, V_SEQ_AXIS, KVCache, write_rows
 from specjax.models.config import ModelConfig
 from specjax.tree import TreeSpec
 
@@ -41,17 +42,36 @@ class LayerSkipDrafter(DraftModelDrafter):
                 f"got K={self.num_layers}"
             )
 
+    def _mirrors(self, target: KVCache, own: KVCache) -> bool:
+        """Whether the draft cache can take the target cache's entries as they are (same
+        dtype, rows, heads; at most the target's capacity)."""
+        return (target.capacity >= own.capacity and target.k.dtype == own.k.dtype
+                and target.k.shape[1:4] == own.k.shape[1:4])
+
     def prefill(self, params, state, decode, target_out):
         """The draft cache = the first K layers of the target's cache after its prefill (the
         same layers over the same prompts; entries from the first sampled token on are
         re-fed by `propose` before they are read)."""
         target, own = decode.cache, state.cache
-        capacity = own.capacity
-        if (target.capacity < capacity or target.k.dtype != own.k.dtype
-                or target.k.shape[1:4] != own.k.shape[1:4]):
+        if not self._mirrors(target, own):
             return super().prefill(params, state, decode, target_out)
+        capacity = own.capacity
         return state.replace(cache=own.replace(k=target.k[: self.num_layers, ..., :capacity],
                                                v=target.v[: self.num_layers, :, :, :capacity]))
+
+    def sync(self, params, state, decode):
+        """The entry before the root (`num_tokens - 2`, committed in the target's cache) copied
+        from the target's first K layers: no forward at all."""
+        target, own = decode.cache, state.cache
+        if not self._mirrors(target, own):
+            return super().sync(params, state, decode)
+        before_root = decode.num_tokens - 2  # [B]
+        entry = lambda buf, axis: jax.vmap(
+            lambda rows, at: jax.lax.dynamic_slice_in_dim(rows, at, 1, axis=axis - 1),
+            in_axes=(1, 0), out_axes=1)(buf[: self.num_layers], before_root)
+        cache = own.replace(k=write_rows(own.k, entry(target.k, K_SEQ_AXIS), before_root, K_SEQ_AXIS),
+                            v=write_rows(own.v, entry(target.v, V_SEQ_AXIS), before_root, V_SEQ_AXIS))
+        return state.replace(cache=cache, base=decode.num_tokens)
 
     def model_params(self, params):
         """The target's params with the stacked layers cut to the first K."""

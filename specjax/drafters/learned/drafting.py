@@ -176,6 +176,9 @@ class HeadDrafter(Drafter):
     #: `update` ingests the accepted path's rows, however many the step verified: one state
     #: serves every draft shape (`num_draft="auto"`, `drafters.auto`), up to `deepest_draft`
     shape_free_state: ClassVar[bool] = True
+    #: a proposal runs the head and the target's LM head, and leaves the state alone (`sync`
+    #: has nothing to do): auto's plain steps skip it
+    observe_plain_steps: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.head is None:

@@ -47,10 +47,10 @@ def category_prompts(tokenizer, path: str, max_prompt: int) -> dict[str, list[li
     return out
 
 
-def modes(draft: str) -> dict[str, dict]:
+def modes(draft: str, static=STATIC) -> dict[str, dict]:
     """{mode name: generate_ids draft options}."""
     return {"plain": {}, "auto": {"draft": draft}} | {
-        f"D={d}": {"draft": draft, "num_draft": d} for d in STATIC}
+        f"D={d}": {"draft": draft, "num_draft": d} for d in static}
 
 
 def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, list]:
@@ -61,9 +61,11 @@ def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple
     return stats.new_tokens / stats.run_s, out
 
 
-def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int) -> dict:
-    """One (drafter, B, category): median tokens/s per mode, modes rotated pass by pass."""
-    runs = modes(draft)
+def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int,
+         static=STATIC) -> dict:
+    """One (drafter, B, category): median tokens/s per mode, modes rotated pass by pass
+    (`static` empty: plain and auto alone; the best-static fields then compare with plain)."""
+    runs = modes(draft, static)
     names = list(runs)
     rates: dict[str, list[float]] = {name: [] for name in names}
     auto_rows: list[dict] = []
@@ -75,12 +77,12 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
             if name == "auto" and rep == 0:
                 auto_rows = [r.spec for r in out]
     med = {name: statistics.median(v) for name, v in rates.items()}
-    best = max(STATIC, key=lambda d: med[f"D={d}"])
+    best = max((f"D={d}" for d in static), key=med.get, default="plain")
     summary = job_summary(auto_rows)
     return {"num_prompts": len(prompts), "tokens_per_s": med, "runs": rates,
-            "best_static": f"D={best}",
+            "best_static": best,
             "auto_over_plain": med["auto"] / med["plain"],
-            "auto_over_best_static": med["auto"] / med[f"D={best}"],
+            "auto_over_best_static": med["auto"] / med[best],
             "auto_shape_histogram": summary.get("shape_histogram", {}),
             "auto_acceptance_length": summary["acceptance_length"],
             "auto_predicted_tokens_per_s": summary.get("predicted_tokens_per_s")}
@@ -91,10 +93,10 @@ def overall(cells: dict[str, dict]) -> dict:
     geometric means of the per-cell ratios and the mean tokens/s per mode."""
     names = next(iter(cells.values()))["tokens_per_s"].keys()
     mean = {n: statistics.fmean(c["tokens_per_s"][n] for c in cells.values()) for n in names}
-    best = max(STATIC, key=lambda d: mean[f"D={d}"])
+    best = max((n for n in names if n.startswith("D=")), key=mean.get, default="plain")
     geo = lambda key: statistics.geometric_mean(c[key] for c in cells.values())
-    return {"mean_tokens_per_s": mean, "best_single_static": f"D={best}",
-            "auto_over_best_single_static": mean["auto"] / mean[f"D={best}"],
+    return {"mean_tokens_per_s": mean, "best_single_static": best,
+            "auto_over_best_single_static": mean["auto"] / mean[best],
             "geomean_auto_over_plain": geo("auto_over_plain"),
             "geomean_auto_over_best_static": geo("auto_over_best_static"),
             "min_auto_over_plain": min(c["auto_over_plain"] for c in cells.values()),
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new", type=int, default=48)
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--static", type=int, nargs="*", default=list(STATIC),
+                        help="static chain lengths to compare (none: plain and auto alone)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = parse_rows(args.rows)
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
     groups = category_prompts(model.tokenizer, args.prompts, args.max_prompt)
     names = args.categories or list(groups)
     report = {"command": "python " + " ".join(sys.argv), "model": args.model, "dtype": "float32",
-              "max_new_tokens": args.max_new, "repeats": args.repeats, "static": list(STATIC),
+              "max_new_tokens": args.max_new, "repeats": args.repeats, "static": args.static,
               "results": {}}
     start = time.perf_counter()
     turn = 0
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
             cells = {}
             for name in names:
                 cells[name] = cell(model, groups[name][: rows.get(b, b)], b, args.max_new, draft,
-                                   args.repeats, turn)
+                                   args.repeats, turn, tuple(args.static))
                 turn += 1
                 c = cells[name]
                 print(f"{draft} B={b} {name:<15} plain {c['tokens_per_s']['plain']:6.1f} auto "

@@ -3,9 +3,8 @@
 auto (`drafters.auto`) runs each decoding step as ONE `lax.switch` over draft shapes, every
 branch writing the KV cache (and the drafter's state) in place. On jaxlib 0.10.2 (XLA CPU)
 copy insertion gives every branch a copy of each such operand: the whole KV cache is copied
-once per step, a cost that grows with batch and context (auto with layerskip:8 on SmolLM2,
-B = 1, picking D = 0 on every step: 0.93x plain decoding on an ~800-token summarisation
-prompt, 1.00x on a short one). XLA changed conditional copy elision in openxla/xla#46314
+once per step, a cost that grows with batch and context (at B = 1 on SmolLM2 it is inside the
+noise of a 2-core machine; at B = 8 and 1024 entries it is ~380 MB a step). XLA changed conditional copy elision in openxla/xla#46314
 (jaxlib 0.11.1); this script shows whether the jaxlib at hand still copies.
 
     python benchmarks/switch_copies.py                 # the micro case, seconds

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -207,7 +208,7 @@ def test_a_plain_step_asks_only_lookup_drafters_for_a_proposal(kind):
                                    criteria)
     *_, reached, hits = jax.jit(plain_step)(state, drafter_state.inner, metrics)
     assert drafter.inner.observe_plain_steps == (kind == "ngram")
-    assert float(reached[0, 0]) == (1.0 if kind == "ngram" else 0.0)
+    assert float(reached[0, 0, 0]) == (1.0 if kind == "ngram" else 0.0)  # row 0, depth 0, rank 0
 
 
 def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
@@ -297,12 +298,48 @@ def double_prompt_joint():
 # ---- the estimator --------------------------------------------------------------------------------
 
 
+def test_the_pick_sums_each_rows_own_expected_tokens():
+    """One row that accepts everything pays for drafting for the batch where the average of
+    the two rows' acceptance would not (E of the mean estimate is below the mean of the Es)."""
+    drafter, params = auto("ngram", step_s=[1.0, 1.5, 1.75, 2.5])  # D = 0, 1, 2, 4
+    state = drafter.init(params, 2, 16)
+    active = jnp.asarray([True, True])
+    mixed = state.replace(conditional=jnp.asarray([[1.0] * 4, [0.0] * 4]))
+    tokens_per_s, per_step = drafter.predicted(params, mixed, active)
+    np.testing.assert_allclose(per_step, [1.0, 1.5, 2.0, 3.0])  # (1 + (1 + D)) / 2 rows
+    assert int(jnp.argmax(tokens_per_s)) == 3  # 6 tokens / 2.5 s beats 2 / 1.0
+    averaged = state.replace(conditional=jnp.full((2, 4), 0.5))
+    assert int(jnp.argmax(drafter.predicted(params, averaged, active)[0])) == 0
+    only_second = drafter.predicted(params, mixed, jnp.asarray([False, True]))[0]
+    assert int(jnp.argmax(only_second)) == 0
+
+
+def test_rows_keep_their_own_estimate_and_a_refilled_row_starts_from_the_jobs():
+    drafter, params = auto("ngram")
+    state = drafter.init(params, 3, 16)
+    # one step of chain 4 where row 0 accepted all, row 1 none, row 2 is inactive
+    reached, hits = observations(jnp.asarray([True, True, False]), jnp.asarray([4, 0, 0]), 4,
+                                 drafter.tree.max_depth)
+    rows = updated_estimate(state.conditional, reached, hits, 0.5, 0.9, 0.01)
+    job = updated_estimate(state.job[:, 0], reached.sum(0), hits.sum(0), 0.5, 0.9, 0.01)
+    assert float(rows[0, 0]) > 0.5 > float(rows[1, 0]) and float(rows[2, 0]) == 0.5
+    moved = state.replace(conditional=rows, job=state.job.at[:, 0].set(job))
+    new_rows = types.SimpleNamespace(tokens=jnp.zeros((2, 16), jnp.int32))  # the 2 new rows' decode
+    refilled = drafter.refill(params, moved, new_rows, None, jnp.asarray([1, 7]))  # 7: unused
+    np.testing.assert_allclose(refilled.conditional[1], job)
+    np.testing.assert_allclose(refilled.conditional[0], rows[0])
+    np.testing.assert_allclose(refilled.conditional[2], rows[2])
+
+
 def test_observations_count_rows_reaching_each_depth():
     active = jnp.asarray([True, True, True, False])
     accepted = jnp.asarray([0, 2, 4, 4])
     reached, hits = observations(active, accepted, num_draft=4, max_depth=6)
-    np.testing.assert_array_equal(reached, [3, 2, 2, 1, 0, 0])
-    np.testing.assert_array_equal(hits, [2, 2, 1, 1, 0, 0])
+    assert reached.shape == hits.shape == (4, 6)  # per row
+    np.testing.assert_array_equal(reached[1], [1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(hits[1], [1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(reached.sum(0), [3, 2, 2, 1, 0, 0])
+    np.testing.assert_array_equal(hits.sum(0), [2, 2, 1, 1, 0, 0])
 
 
 def test_the_estimate_is_an_ema_per_observation_and_unobserved_depths_relax_to_the_prior():
@@ -468,8 +505,10 @@ def test_tree_observations_count_each_rank_reached_and_hit():
                                       jnp.asarray([2, 0, 1]), tree, max_depth=4, num_ranks=2)
     # row 0: depth 0 rank 1 hit (rank 0 missed), depth 1 rank 0 hit, depth 2: both children missed
     # row 1: depth 0, both ranks missed; row 2 inactive
-    np.testing.assert_array_equal(reached, [[2, 2], [1, 0], [1, 1], [0, 0]])
-    np.testing.assert_array_equal(hits, [[0, 1], [1, 0], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(reached.sum(0), [[2, 2], [1, 0], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(hits.sum(0), [[0, 1], [1, 0], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(reached[1], [[1, 1], [0, 0], [0, 0], [0, 0]])
+    assert not reached[2].any() and not hits[2].any()
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle3"])
@@ -492,11 +531,11 @@ def test_the_pick_takes_a_tree_when_second_candidates_pay():
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 3), trees=(load_tree("kary_2x2x2"),))
     params = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.1, 1.2, 1.3]))
     state = drafter.init(params, 2, 16)
-    assert state.siblings.shape == (3, 1)
+    assert state.siblings.shape == (2, 3, 1)
     active = jnp.asarray([True, True])
-    weak_top = state.replace(conditional=jnp.full(3, 0.4), siblings=jnp.full((3, 1), 0.9))
+    weak_top = state.replace(conditional=jnp.full((2, 3), 0.4), siblings=jnp.full((2, 3, 1), 0.9))
     assert int(jnp.argmax(drafter.predicted(params, weak_top, active)[0])) == 3
-    no_second = weak_top.replace(siblings=jnp.zeros((3, 1)))
+    no_second = weak_top.replace(siblings=jnp.zeros((2, 3, 1)))
     assert int(jnp.argmax(drafter.predicted(params, no_second, active)[0])) != 3
 
 

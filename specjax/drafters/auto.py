@@ -22,15 +22,18 @@ The candidate chain lengths are those the drafter can produce: `auto_lengths` up
 `auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
-tuner's model): E[tokens per step](D) from the running estimate of this job's conditional
-acceptance per depth, times the active rows, over the branch's measured step cost
-(`AutoParams.step_s`, from `specjax.auto_costs`). Greedy and sampled outputs stay exact: each
-branch is a lossless step, and the pick depends only on earlier steps.
+tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
+running estimate of that row's conditional acceptance per depth, over the branch's measured
+step cost (`AutoParams.step_s`, from `specjax.auto_costs`). Greedy and sampled outputs stay
+exact: each branch is a lossless step, and the pick depends only on earlier steps.
 
-The estimate (`AutoState.conditional` `[Dmax]`) is an exponential moving average, one update
-per observation: a row whose first j draft tokens were accepted observes depth j (accepted or
-not; an empty draft position counts as not). Depths no step observes drift back to the prior,
-so a shape ruled out early is tried again later.
+The estimates are exponential moving averages, one update per observation: a row whose first
+j draft tokens were accepted observes depth j (accepted or not; an empty draft position counts
+as not). Each row keeps its own (`AutoState.conditional` `[B, Dmax]`: acceptance follows the
+content, so a job mixing categories, or one prompt that repeats itself among others that do
+not, is predicted row by row), and the job keeps one over all its rows' observations
+(`AutoState.job` `[Dmax, R]`), which a refilled row starts from. Depths no step observes drift
+back to the prior, so a shape ruled out early is tried again later.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from flax import struct
 
 from specjax.costmodel import chain_tokens_per_steps, throughput, tree_tokens_per_step
 from specjax.drafters.base import Drafter
+from specjax.gather import put_rows
 from specjax.loop import DecodeState, ar_step_out, fixed_spec_step
 from specjax.rng import split_rows
 from specjax.tree import TreeSpec, chain, from_paths
@@ -94,12 +98,13 @@ class AutoParams:
 
 @struct.dataclass
 class AutoState:
-    """inner: the inner drafter's state; conditional `[Dmax]` f32: the running estimate of
-    P(draft token j + 1 accepted | the first j were)."""
+    """inner: the inner drafter's state; conditional `[B, Dmax]` f32: each row's running
+    estimate of P(draft token j + 1 accepted | the first j were)."""
 
     inner: Any
     conditional: jax.Array
-    siblings: jax.Array  # [Dmax, R - 1] the same for the candidates of rank 1..R-1 (trees)
+    siblings: jax.Array  # [B, Dmax, R - 1] the same for the candidates of rank 1..R-1 (trees)
+    job: jax.Array  # [Dmax, R] the job's estimate over all its rows (ranks 0..R-1): a new row's start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +171,10 @@ class AutoDrafter(Drafter):
         self.inner.check_target(target_cfg)
 
     def init(self, params: AutoParams, batch_size: int, width: int) -> AutoState:
-        depth = self.tree.max_depth
-        return AutoState(self.inner.init(params.inner, batch_size, width),
-                         jnp.full((depth,), self.prior, jnp.float32),
-                         jnp.full((depth, self.num_ranks - 1), self.prior, jnp.float32))
+        job = jnp.full((self.tree.max_depth, self.num_ranks), self.prior, jnp.float32)
+        rows = jnp.broadcast_to(job, (batch_size,) + job.shape)
+        return AutoState(self.inner.init(params.inner, batch_size, width), rows[..., 0],
+                         rows[..., 1:], job)
 
     def init_carry(self, params: AutoParams):
         return self.inner.init_carry(params.inner)
@@ -184,8 +189,11 @@ class AutoDrafter(Drafter):
         return state.replace(inner=self.inner.prefill(params.inner, state.inner, decode, target_out))
 
     def refill(self, params: AutoParams, state: AutoState, decode, target_out, slots) -> AutoState:
-        """The inner drafter's refill; the job's acceptance estimate is kept."""
-        return state.replace(inner=self.inner.refill(params.inner, state.inner, decode, target_out, slots))
+        """The inner drafter's refill; the new rows' acceptance estimates start from the job's."""
+        fresh = jnp.broadcast_to(state.job, slots.shape + state.job.shape)
+        rows = put_rows((state.conditional, state.siblings), (fresh[..., 0], fresh[..., 1:]), slots)
+        return state.replace(inner=self.inner.refill(params.inner, state.inner, decode, target_out, slots),
+                             conditional=rows[0], siblings=rows[1])
 
     def propose(self, params, state, decode, key, sampling):
         raise TypeError("auto picks its shape per step: run it through loop.spec_step")
@@ -193,13 +201,20 @@ class AutoDrafter(Drafter):
     # ---- the step ----
 
     def predicted(self, params: AutoParams, state: AutoState, active: jax.Array):
-        """(`[S]` predicted tokens/s of each branch, `[S]` its E[tokens per step]) for the
-        active rows `[B]`: the cost model of `specjax.costmodel`."""
-        per_step = chain_tokens_per_steps(state.conditional, self.lengths)
-        if self.trees:
-            per_step = jnp.concatenate([per_step, jnp.stack([
-                tree_tokens_per_step(state.conditional, state.siblings, t) for t in self.trees])])
-        rows = jnp.sum(active.astype(jnp.float32))
+        """(`[S]` predicted tokens/s of each branch, `[S]` its E[tokens per step] per active
+        row) for the active rows `[B]`: the cost model of `specjax.costmodel`, each row's
+        E[tokens per step] from its own estimate."""
+
+        def row_tokens(conditional, siblings):  # [Dmax], [Dmax, R - 1] -> [S]
+            per_step = chain_tokens_per_steps(conditional, self.lengths)
+            if not self.trees:
+                return per_step
+            return jnp.concatenate([per_step, jnp.stack([
+                tree_tokens_per_step(conditional, siblings, t) for t in self.trees])])
+
+        on = active.astype(jnp.float32)
+        rows = jnp.sum(on)
+        per_step = on @ jax.vmap(row_tokens)(state.conditional, state.siblings) / jnp.maximum(rows, 1.0)
         return throughput(per_step, rows, params.step_s), per_step
 
     def switched_step(self, target, params, drafter_params: AutoParams, state: DecodeState,
@@ -222,15 +237,18 @@ class AutoDrafter(Drafter):
             index, branches, state, drafter_state.inner, metrics)
         metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
                                        drafter_params.step_s[index])
-        estimate = jnp.concatenate([drafter_state.conditional[:, None], drafter_state.siblings], 1)
-        estimate = updated_estimate(estimate, reached, hits, self.prior, self.decay, self.relax)
-        return state, AutoState(inner, estimate[:, 0], estimate[:, 1:]), metrics
+        update = functools.partial(updated_estimate, prior=self.prior, decay=self.decay,
+                                   relax=self.relax)
+        rows = update(jnp.concatenate([drafter_state.conditional[..., None], drafter_state.siblings],
+                                      -1), reached, hits)
+        job = update(drafter_state.job, reached.sum(0), hits.sum(0))
+        return state, AutoState(inner, rows[..., 0], rows[..., 1:], job), metrics
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
         """One step of a chain of num_draft (0: plain) -> (state, inner state, metrics,
-        reached `[Dmax, R]`, hits `[Dmax, R]`: rows that observed depth j's top candidate, and
-        accepted it; a chain observes rank 0 only)."""
+        reached `[B, Dmax, R]`, hits `[B, Dmax, R]`: whether each row observed depth j's
+        candidate of rank r, and accepted it; a chain observes rank 0 only)."""
         active = ~state.done
         if num_draft == 0:
             return self._plain_branch(target, params, inner_params, sampling, criteria, state,
@@ -243,8 +261,8 @@ class AutoDrafter(Drafter):
         return state, inner_state, metrics, *self._ranked(reached, hits)
 
     def _ranked(self, reached, hits):
-        """`[Dmax]` rank-0 observations -> `[Dmax, R]` (no observation of the other ranks)."""
-        pad = lambda x: jnp.pad(x[:, None], ((0, 0), (0, self.num_ranks - 1)))
+        """`[B, Dmax]` rank-0 observations -> `[B, Dmax, R]` (none of the other ranks)."""
+        pad = lambda x: jnp.pad(x[..., None], ((0, 0), (0, 0), (0, self.num_ranks - 1)))
         return pad(reached), pad(hits)
 
     def _tree_branch(self, tree: TreeSpec, target, params, inner_params, sampling, criteria,
@@ -283,23 +301,24 @@ class AutoDrafter(Drafter):
             hit = draft.valid[:, 0] & (draft.tokens[:, 0] == token)
             reached, hits = observations(active, hit.astype(jnp.int32), 1, self.tree.max_depth)
         else:
-            reached = hits = jnp.zeros((self.tree.max_depth,), jnp.float32)
+            reached = hits = jnp.zeros((token.shape[0], self.tree.max_depth), jnp.float32)
         return state, inner_state, metrics, *self._ranked(reached, hits)
 
 
 def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_depth: int):
-    """(reached `[Dmax]`, hits `[Dmax]`) f32 of one step of a chain of num_draft: rows `[B]`
-    active whose first j draft tokens were accepted (j < num_draft), and of them those that
-    accepted token j + 1 too (accepted `[B]`)."""
+    """(reached `[B, Dmax]`, hits `[B, Dmax]`) f32 0/1 of one step of a chain of num_draft:
+    whether row b (active `[B]`) had its first j draft tokens accepted (j < num_draft), and
+    whether it accepted token j + 1 too (accepted `[B]`)."""
     depth = jnp.arange(max_depth)[None, :]
     seen = active[:, None] & (depth < num_draft) & (accepted[:, None] >= depth)
     hit = seen & (accepted[:, None] > depth)
-    return jnp.sum(seen, axis=0).astype(jnp.float32), jnp.sum(hit, axis=0).astype(jnp.float32)
+    return seen.astype(jnp.float32), hit.astype(jnp.float32)
 
 
 def tree_observations(active: jax.Array, path: jax.Array, num_accepted: jax.Array,
                       tree: TreeSpec, max_depth: int, num_ranks: int):
-    """(reached `[Dmax, R]`, hits `[Dmax, R]`) f32 of one step of a draft tree: at each depth
+    """(reached `[B, Dmax, R]`, hits `[B, Dmax, R]`) f32 0/1 of one step of a draft tree, per
+    row: at each depth
     j below a row's accepted count, the accepted node of rank r observes ranks 0..r (r hit,
     the ones above it missed); at depth num_accepted, the ranks of the last accepted node's
     children in the tree all missed. path `[B, 1 + tree depth]` (verify indices, 0 = root)."""
@@ -317,14 +336,15 @@ def tree_observations(active: jax.Array, path: jax.Array, num_accepted: jax.Arra
     last = jnp.take_along_axis(path, jnp.clip(num_accepted, 0, depth_t)[:, None], axis=1)[:, 0]
     seen = (accepted[..., None] & (rank <= accepted_rank)) | (missed_at & jnp.asarray(present)[last][:, None, :])
     hit = accepted[..., None] & (rank == accepted_rank)
-    pad = lambda x: jnp.pad(jnp.sum(x, axis=0).astype(jnp.float32), ((0, max_depth - depth_t), (0, 0)))
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, max_depth - depth_t), (0, 0)))
     return pad(seen), pad(hit)
 
 
 def updated_estimate(conditional: jax.Array, reached: jax.Array, hits: jax.Array, prior: float,
                      decay: float, relax: float) -> jax.Array:
-    """`[Dmax]` the EMA of conditional acceptance after `reached` observations per depth, `hits`
-    of them accepted (one EMA update per observation); unobserved depths relax to the prior."""
+    """The EMA of conditional acceptance (any shape, e.g. `[Dmax]` or `[B, Dmax, R]`) after
+    `reached` observations of each entry, `hits` of them accepted (one EMA update per
+    observation); unobserved entries relax to the prior."""
     keep = decay ** reached
     observed = keep * conditional + (1.0 - keep) * hits / jnp.maximum(reached, 1.0)
     relaxed = conditional + relax * (prior - conditional)

@@ -97,14 +97,11 @@ def write_costs(path: Path, key: dict, step_s: list[float], seconds: float) -> N
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "steps"))
 def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
                   criteria, *, steps: int):
-    """`steps` steps of one branch `[]` from `spec_start`'s (state, drafter state, metrics)."""
-
-    def body(_, carry):
-        state, drafter_state, metrics = carry
-        return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
-                                     sampling, criteria, branch=branch)
-
-    return jax.lax.fori_loop(0, steps, body, started)
+    """`steps` steps of one branch `[]` from `spec_start`'s (state, drafter state, metrics),
+    inside the branch as a running job takes them (one switch per change of shape)."""
+    state, drafter_state, metrics = started
+    return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
+                                 sampling, criteria, branch=branch, steps=steps)
 
 
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,

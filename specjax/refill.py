@@ -306,17 +306,23 @@ class Decoder:
 
     def decode_step(self, params, drafter_params, carry: RefillCarry, sampling: SamplingParams,
                     criteria: StopCriteria) -> RefillCarry:
-        """One decoding step over every slot (ended slots change nothing)."""
+        """One decoding step over every slot (ended slots change nothing); auto may take
+        several of its steps until its pick changes or a row ends (`drafters.auto`), counted
+        from the state's step counter and the rows' step counts."""
         slots, counters = carry.slots, carry.counters
-        counters = counters.replace(
-            decode_steps=counters.decode_steps + 1,
-            busy_slot_steps=counters.busy_slot_steps + jnp.sum(~slots.state.done).astype(jnp.int32))
         if self.drafter is None:
             state = ar_step(self.target, params, slots.state, sampling, criteria)
+            counters = counters.replace(
+                decode_steps=counters.decode_steps + 1,
+                busy_slot_steps=counters.busy_slot_steps + jnp.sum(~slots.state.done).astype(jnp.int32))
             return carry.replace(slots=slots.replace(state=state), counters=counters)
         state, drafter_state, metrics = spec_step(
             self.target, params, self.drafter, drafter_params, slots.state, slots.drafter_state,
             slots.metrics, sampling, criteria)
+        counters = counters.replace(
+            decode_steps=counters.decode_steps + (state.step - slots.state.step).astype(jnp.int32),
+            busy_slot_steps=counters.busy_slot_steps
+            + jnp.sum(metrics.steps - slots.metrics.steps).astype(jnp.int32))
         return carry.replace(slots=slots.replace(state=state, drafter_state=drafter_state,
                                                  metrics=metrics), counters=counters)
 

@@ -223,6 +223,42 @@ def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs()
     assert spec["predicted_tokens_per_s"] == pytest.approx(spec["predicted_tokens"] / spec["predicted_s"])
 
 
+def test_a_branch_keeps_stepping_while_it_stays_the_pick_and_the_slot_counters_follow():
+    """Where plain steps are cheapest auto takes only plain steps, several per switch (one
+    switch per change of shape, `switched_step`): the refilled job's slot counters (decoding
+    steps, busy slot-steps, refills) are then exactly plain decoding's, which counts one step
+    per call."""
+    from specjax.timing import job_stats
+
+    drafter, _ = auto("ngram")
+    cheap_plain = AutoParams(inner=None, step_s=jnp.asarray([1e-3, 1.0, 1.0, 1.0]))
+    cfg, target_params = model()
+    prompts = PROMPTS + [[2, 3]]
+    ends = [24, 5, 17, 9, 30, 3]
+    auto_rows = generate_ids(cfg, target_params, prompts, max_new_tokens=ends, eos_ids=[],
+                             draft=drafter, drafter_params=cheap_plain, batch_size=2)
+    plain_rows = generate_ids(cfg, target_params, prompts, max_new_tokens=ends, eos_ids=[],
+                              batch_size=2)
+    assert [r.token_ids for r in auto_rows] == [r.token_ids for r in plain_rows]
+    ours, theirs = job_stats(auto_rows), job_stats(plain_rows)
+    assert (ours.decode_steps, ours.busy_slot_steps, ours.refills) == (
+        theirs.decode_steps, theirs.busy_slot_steps, theirs.refills)
+    assert ours.decode_steps > 30  # the longest row alone
+
+    from specjax.loop import StopCriteria, spec_start_program
+    from specjax.models.cache import init_cache
+    from specjax.sampling import SamplingParams
+
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    state, drafter_state, metrics = spec_start_program(
+        cfg, target_params, drafter, cheap_plain, jnp.asarray([PROMPTS[0]], jnp.int32),
+        jnp.asarray([len(PROMPTS[0])], jnp.int32), jnp.asarray([12], jnp.int32),
+        init_cache(cfg, 1, 32), jax.random.PRNGKey(0), sampling, criteria, (), width=32)
+    after = jax.jit(drafter.switched_step, static_argnums=(0,))(
+        cfg, target_params, cheap_plain, state, drafter_state, metrics, sampling, criteria)[0]
+    assert int(after.step) - int(state.step) == 11 and bool(after.done[0])  # one call: to the end
+
+
 def test_the_pick_follows_the_estimate_and_the_active_rows():
     drafter, params = auto("ngram", step_s=[1.0, 1.3, 1.35, 1.5])
     state = drafter.init(params, 2, 16)

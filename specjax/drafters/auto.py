@@ -21,6 +21,10 @@ step), every branch the whole step of that shape on the same operands:
 The candidate chain lengths are those the drafter can produce: `auto_lengths` up to
 `auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
 
+The picked branch keeps stepping, in its own `while_loop`, while it stays the pick and no row
+ends: XLA gives each branch of a switch its own copy of what it writes in place (the KV cache),
+so the copy is paid once per change of shape rather than once per step.
+
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
 running estimate of that row's conditional acceptance per depth, over the branch's measured
@@ -217,32 +221,66 @@ class AutoDrafter(Drafter):
         per_step = on @ jax.vmap(row_tokens)(state.conditional, state.siblings) / jnp.maximum(rows, 1.0)
         return throughput(per_step, rows, params.step_s), per_step
 
+    def pick(self, params: AutoParams, state: AutoState, decode: DecodeState):
+        """(`[]` int32 the branch this step runs, `[S]` E[tokens per step] per active row)."""
+        tokens_per_s, per_step = self.predicted(params, state, ~decode.done)
+        if self.rotate:
+            return (decode.step % self.num_shapes).astype(jnp.int32), per_step
+        return jnp.argmax(tokens_per_s).astype(jnp.int32), per_step
+
     def switched_step(self, target, params, drafter_params: AutoParams, state: DecodeState,
-                      drafter_state: AutoState, metrics, sampling, criteria, branch=None):
-        """`loop.spec_step` for auto: the picked branch (or `branch` `[]`, for profiling) ->
-        (state, drafter state, metrics), the estimate and the shape metrics updated."""
-        active = ~state.done
-        tokens_per_s, per_step = self.predicted(drafter_params, drafter_state, active)
-        if branch is not None:
-            index = branch
-        elif self.rotate:
-            index = state.step % self.num_shapes
-        else:
-            index = jnp.argmax(tokens_per_s).astype(jnp.int32)
-        branches = [functools.partial(self._branch, d, target, params, drafter_params.inner,
-                                      sampling, criteria) for d in self.lengths]
-        branches += [functools.partial(self._tree_branch, t, target, params, drafter_params.inner,
-                                       sampling, criteria) for t in self.trees]
-        state, inner, metrics, reached, hits = jax.lax.switch(
-            index, branches, state, drafter_state.inner, metrics)
-        metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
-                                       drafter_params.step_s[index])
+                      drafter_state: AutoState, metrics, sampling, criteria, branch=None,
+                      steps: int = 1):
+        """`loop.spec_step` for auto -> (state, drafter state, metrics), the estimates and the
+        shape metrics updated after every step.
+
+        The picked branch runs its shape's steps in its own `while_loop` for as long as the
+        pick stays on it, no row ends (the caller may refill the slot) and some row runs: one
+        call is one step or more, each picked exactly as a call per step would pick it. A
+        branch of a `lax.switch` that writes an operand in place gets its own copy of it (XLA
+        copy insertion, jaxlib 0.10.2: the whole KV cache and the drafter's state), so this
+        pays that copy once per change of shape instead of once per step
+        (`benchmarks/switch_copies.py`). `branch` `[]` (profiling): that branch for exactly
+        `steps` steps."""
+        index = branch if branch is not None else self.pick(drafter_params, drafter_state, state)[0]
+        branches = [functools.partial(self._run, i, target, params, drafter_params, sampling,
+                                      criteria, None if branch is None else steps)
+                    for i in range(self.num_shapes)]
+        return jax.lax.switch(index, branches, state, drafter_state, metrics)
+
+    def _run(self, index: int, target, params, drafter_params: AutoParams, sampling, criteria,
+             steps: int | None, state: DecodeState, drafter_state: AutoState, metrics):
+        """Steps of branch `index` while it stays the pick and no row ends (steps: exactly
+        that many instead)."""
+        one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
+               else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
+        one = functools.partial(one, target, params, drafter_params.inner, sampling, criteria)
         update = functools.partial(updated_estimate, prior=self.prior, decay=self.decay,
                                    relax=self.relax)
-        rows = update(jnp.concatenate([drafter_state.conditional[..., None], drafter_state.siblings],
-                                      -1), reached, hits)
-        job = update(drafter_state.job, reached.sum(0), hits.sum(0))
-        return state, AutoState(inner, rows[..., 0], rows[..., 1:], job), metrics
+
+        def body(carry):
+            state, auto_state, metrics, count, _ = carry
+            active = ~state.done
+            per_step = self.pick(drafter_params, auto_state, state)[1]
+            state, inner, metrics, reached, hits = one(state, auto_state.inner, metrics)
+            metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
+                                           drafter_params.step_s[index])
+            rows = update(jnp.concatenate([auto_state.conditional[..., None], auto_state.siblings],
+                                          -1), reached, hits)
+            auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],
+                                   update(auto_state.job, reached.sum(0), hits.sum(0)))
+            count = count + 1
+            if steps is not None:
+                go = count < steps
+            else:
+                ended = jnp.any(active & state.done)  # a row ended: its slot may be refilled
+                go = ((self.pick(drafter_params, auto_state, state)[0] == index) & ~ended
+                      & jnp.any(~state.done))
+            return state, auto_state, metrics, count, go
+
+        carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), jnp.asarray(True))
+        state, drafter_state, metrics, _, _ = jax.lax.while_loop(lambda c: c[-1], body, carry)
+        return state, drafter_state, metrics
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
@@ -289,9 +327,9 @@ class AutoDrafter(Drafter):
             propose_key = split_rows(state.next_keys(), state.tokens.shape[0], 2)[0]
             draft, inner_state = drafter.propose(inner_params, inner_state, state, propose_key,
                                                  sampling)
-        else:
-            inner_state = drafter.sync(inner_params, inner_state, state)
         state, token, out = ar_step_out(target, params, state, sampling, criteria, drafter.hidden_layers)
+        if not drafter.observe_plain_steps:
+            inner_state = drafter.sync(inner_params, inner_state, state)
         zeros = jnp.zeros_like(token)
         result = AcceptResult(path=jnp.zeros((token.shape[0], 2), jnp.int32), num_accepted=zeros,
                               next_token=token)

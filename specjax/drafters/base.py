@@ -116,9 +116,9 @@ class Drafter:
         return state
 
     def sync(self, params, state: DrafterState, decode) -> DrafterState:
-        """The state as `propose` would leave it for `update`, without drafting: what a plain
-        step of auto runs in place of the proposal when `observe_plain_steps` is False
-        (decode: the state before the step). Default: unchanged (a proposal that leaves the
+        """The state after a plain step the drafter proposed nothing for (auto's D = 0 branch
+        when `observe_plain_steps` is False), before its `update`; decode: the state after the
+        step (one token more per running row). Default: unchanged (a proposal that leaves the
         state alone, as the learned heads' do)."""
         return state
 

@@ -365,13 +365,13 @@ class DraftModelDrafter(Drafter):
         return Draft(tokens=tokens, valid=valid, probs=probs), state.replace(cache=cache, base=length)
 
     def sync(self, params, state: DraftModelState, decode) -> DraftModelState:
-        """Feeds the token before the root (at `num_tokens - 2`, no logits): the draft cache is
-        valid below `num_tokens - 1`, what the step after a plain one needs."""
-        before_root = decode.num_tokens - 2  # [B]
-        token = jnp.take_along_axis(decode.tokens, before_root[:, None], axis=1)
-        out = forward(self.cfg, self.model_params(params), token, before_root[:, None],
-                      state.cache.replace(lengths=before_root), compute_logits=False)
-        return state.replace(cache=out.cache, base=decode.num_tokens)
+        """After a plain step (decode: the state after it): feeds the one token the draft cache
+        lacks (at `num_tokens - 3`, no logits), so it is valid below `num_tokens - 2` again."""
+        missing = jnp.maximum(decode.num_tokens - 3, 0)  # [B]
+        token = jnp.take_along_axis(decode.tokens, missing[:, None], axis=1)
+        out = forward(self.cfg, self.model_params(params), token, missing[:, None],
+                      state.cache.replace(lengths=missing), compute_logits=False)
+        return state.replace(cache=out.cache, base=decode.num_tokens - 1)
 
     def update(self, params, state: DraftModelState, decode, result, target_out) -> DraftModelState:
         """Moves the accepted path's fed nodes to their committed slots (trees only)."""

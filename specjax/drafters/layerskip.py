@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.models.cache import K_SEQ_AXIS, V_SEQ_AXIS, KVCache, write_rows
@@ -60,17 +61,18 @@ class LayerSkipDrafter(DraftModelDrafter):
                                                v=target.v[: self.num_layers, :, :, :capacity]))
 
     def sync(self, params, state, decode):
-        """The entry before the root (`num_tokens - 2`, committed in the target's cache) copied
-        from the target's first K layers: no forward at all."""
+        """After a plain step: the entry the draft cache lacks (`num_tokens - 3`) copied from
+        the target's first K layers (committed there: no forward at all). Reading the target's
+        cache after the step's write, not before, lets XLA update it in place."""
         target, own = decode.cache, state.cache
         if not self._mirrors(target, own):
             return super().sync(params, state, decode)
-        before_root = decode.num_tokens - 2  # [B]
+        missing = jnp.maximum(decode.num_tokens - 3, 0)  # [B]
         entry = lambda buf, axis: jax.vmap(
             lambda rows, at: jax.lax.dynamic_slice_in_dim(rows, at, 1, axis=axis - 1),
-            in_axes=(1, 0), out_axes=1)(buf[: self.num_layers], before_root)
-        cache = own.replace(k=write_rows(own.k, entry(target.k, K_SEQ_AXIS), before_root, K_SEQ_AXIS),
-                            v=write_rows(own.v, entry(target.v, V_SEQ_AXIS), before_root, V_SEQ_AXIS))
+            in_axes=(1, 0), out_axes=1)(buf[: self.num_layers], missing)
+        cache = own.replace(k=write_rows(own.k, entry(target.k, K_SEQ_AXIS), missing, K_SEQ_AXIS),
+                            v=write_rows(own.v, entry(target.v, V_SEQ_AXIS), missing, V_SEQ_AXIS))
         return state.replace(cache=cache, base=decode.num_tokens)
 
     def model_params(self, params):

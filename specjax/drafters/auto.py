@@ -259,9 +259,8 @@ class AutoDrafter(Drafter):
                                    relax=self.relax)
 
         def body(carry):
-            state, auto_state, metrics, count, _ = carry
+            state, auto_state, metrics, count, _, per_step = carry
             active = ~state.done
-            per_step = self.pick(drafter_params, auto_state, state)[1]
             state, inner, metrics, reached, hits = one(state, auto_state.inner, metrics)
             metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
                                            drafter_params.step_s[index])
@@ -270,16 +269,17 @@ class AutoDrafter(Drafter):
             auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],
                                    update(auto_state.job, reached.sum(0), hits.sum(0)))
             count = count + 1
+            next_index, per_step = self.pick(drafter_params, auto_state, state)  # the next step's
             if steps is not None:
                 go = count < steps
             else:
                 ended = jnp.any(active & state.done)  # a row ended: its slot may be refilled
-                go = ((self.pick(drafter_params, auto_state, state)[0] == index) & ~ended
-                      & jnp.any(~state.done))
-            return state, auto_state, metrics, count, go
+                go = (next_index == index) & ~ended & jnp.any(~state.done)
+            return state, auto_state, metrics, count, go, per_step
 
-        carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), jnp.asarray(True))
-        state, drafter_state, metrics, _, _ = jax.lax.while_loop(lambda c: c[-1], body, carry)
+        carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), jnp.asarray(True),
+                 self.pick(drafter_params, drafter_state, state)[1])
+        state, drafter_state, metrics, *_ = jax.lax.while_loop(lambda c: c[4], body, carry)
         return state, drafter_state, metrics
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
@@ -356,10 +356,9 @@ def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_dep
 def tree_observations(active: jax.Array, path: jax.Array, num_accepted: jax.Array,
                       tree: TreeSpec, max_depth: int, num_ranks: int):
     """(reached `[B, Dmax, R]`, hits `[B, Dmax, R]`) f32 0/1 of one step of a draft tree, per
-    row: at each depth
-    j below a row's accepted count, the accepted node of rank r observes ranks 0..r (r hit,
-    the ones above it missed); at depth num_accepted, the ranks of the last accepted node's
-    children in the tree all missed. path `[B, 1 + tree depth]` (verify indices, 0 = root)."""
+    row: at each depth j below the row's accepted count, the accepted node of rank r observes
+    ranks 0..r (r hit, the ones above it missed); at depth num_accepted, the ranks of the last
+    accepted node's children in the tree all missed. path `[B, 1 + tree depth]` (verify indices, 0 = root)."""
     depth_t = tree.max_depth
     rank_of = jnp.asarray(np.concatenate([[0], tree.node_ranks]), jnp.int32)  # verify index -> rank
     present = np.zeros((tree.num_nodes + 1, num_ranks), bool)  # verify row -> its children's ranks

@@ -1,8 +1,11 @@
 """The multi-device half of tests/test_sharding.py: run as a script in a fresh process with 8 fake
-CPU devices (XLA_FLAGS set before jax is imported), it runs every case once and prints one JSON
-object of results on its last line; the test asserts on it.
+CPU devices (XLA_FLAGS set before jax is imported), it runs every case once and writes one JSON
+object of results to OUT.json; the test asserts on it.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py OUT.json
+    python tests/sharding_worker.py OUT.json   # sets its own XLA_FLAGS (8 devices)
+
+The results are saved after each case (and each drafter kind): a run XLA aborts (a collective
+that timed out) is resumed by the next run with the same OUT.json, which skips what is there.
 
 Cases: sharded vs one-device forward logits (ragged padded prompts), loading straight into
 shards (per-device bytes, each leaf's sharding), greedy and sampled generation on each mesh vs
@@ -19,9 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_devices import xla_flags  # imports no jax
+from fake_devices import RESUMABLE_TIMEOUT_S, xla_flags  # imports no jax
 
-os.environ["XLA_FLAGS"] = xla_flags(8)
+os.environ["XLA_FLAGS"] = xla_flags(8, RESUMABLE_TIMEOUT_S)
 
 import jax
 import jax.numpy as jnp
@@ -131,44 +134,60 @@ def generate(params, drafter, mesh, sampled=False, refill=True):
     return [r.token_ids for r in results]
 
 
-def generation_cases(params) -> dict:
+def generation_cases(params, done: dict, save) -> dict:
     """Greedy tokens of every kind on its meshes (the reference: plain greedy on one device,
     which every greedy speculative output must equal), sampled tokens on one device and on
     dp=2,tp=4, and the collectives of each sharded decode program: the refilling chunk's (the
     default path) for every case, the static batch's decode loop for the kinds run on every
-    mesh."""
+    mesh. `done` holds the kinds an earlier, aborted run finished (kept, not run again); `save`
+    is called with the results after each kind."""
     out: dict = {"greedy": {}, "sampled": {}, "collectives": {}, "whole_gathers": {},
-                 "refill_collectives": {}, "seconds": {}}
-    out["reference"] = generate(params, (None, None), None)
-    kinds = ["ar", "ngram", "suffix", "model", "layerskip", *HEAD_OPTIONS]
-    for kind in kinds:
-        drafter = drafter_for(kind, params)
-        tree = None if drafter[0] is None else drafter[0].tree
-        rows = api.batch_rows(None, len(PROMPTS))
-        width = api.batch_shape([len(p) for p in PROMPTS], rows, MAX_NEW, tree).width
-        out["greedy"][kind] = {}
-        for mesh in MESHES if kind in ALL_MESH_KINDS else ("dp=2,tp=4",):
-            RECORDED.clear()
-            start = time.perf_counter()
-            out["greedy"][kind][mesh] = generate(params, drafter, mesh)
-            out["seconds"][f"{kind} {mesh}"] = round(time.perf_counter() - start, 1)
-            refill_hlo = RECORDED[-1]  # the chunk's one program
-            out["refill_collectives"][f"{kind} {mesh}"] = loop_collectives(refill_hlo)
-            out["whole_gathers"][f"refill {kind} {mesh}"] = whole_gathers(
-                refill_hlo, whole_shapes(rows, width))
-            if kind in ALL_MESH_KINDS:
-                RECORDED.clear()
-                static = generate(params, drafter, mesh, refill=False)
-                assert static == out["greedy"][kind][mesh], (kind, mesh)
-                decode_hlo = RECORDED[-1]  # the decode program (the second of the batch's two)
-                out["collectives"][f"{kind} {mesh}"] = loop_collectives(decode_hlo)
-                out["whole_gathers"][f"{kind} {mesh}"] = whole_gathers(
-                    decode_hlo, whole_shapes(rows, width))
-        if kind in SAMPLED_KINDS:
-            out["sampled"][kind] = {
-                "reference": generate(params, drafter, None, sampled=True),
-                "dp=2,tp=4": generate(params, drafter, "dp=2,tp=4", sampled=True)}
+                 "refill_collectives": {}, "seconds": {}} | done
+    if "reference" not in out:
+        out["reference"] = generate(params, (None, None), None)
+    for kind in ["ar", "ngram", "suffix", "model", "layerskip", *HEAD_OPTIONS]:
+        if kind not in out["greedy"]:
+            kind_case(params, kind, out)
+            save(out)
     return out
+
+
+def kind_case(params, kind: str, out: dict) -> None:
+    """One kind's generation cases, written into `out`'s tables."""
+    drafter = drafter_for(kind, params)
+    tree = None if drafter[0] is None else drafter[0].tree
+    rows = api.batch_rows(None, len(PROMPTS))
+    width = api.batch_shape([len(p) for p in PROMPTS], rows, MAX_NEW, tree).width
+    greedy = {}
+    for mesh in MESHES if kind in ALL_MESH_KINDS else ("dp=2,tp=4",):
+        RECORDED.clear()
+        start = time.perf_counter()
+        greedy[mesh] = generate(params, drafter, mesh)
+        out["seconds"][f"{kind} {mesh}"] = round(time.perf_counter() - start, 1)
+        progress(f"{kind} {mesh}: {out['seconds'][f'{kind} {mesh}']} s")
+        refill_hlo = RECORDED[-1]  # the chunk's one program
+        out["refill_collectives"][f"{kind} {mesh}"] = loop_collectives(refill_hlo)
+        out["whole_gathers"][f"refill {kind} {mesh}"] = whole_gathers(
+            refill_hlo, whole_shapes(rows, width))
+        if kind in ALL_MESH_KINDS:
+            RECORDED.clear()
+            static = generate(params, drafter, mesh, refill=False)
+            progress(f"{kind} {mesh} static batch: done")
+            assert static == greedy[mesh], (kind, mesh)
+            decode_hlo = RECORDED[-1]  # the decode program (the second of the batch's two)
+            out["collectives"][f"{kind} {mesh}"] = loop_collectives(decode_hlo)
+            out["whole_gathers"][f"{kind} {mesh}"] = whole_gathers(
+                decode_hlo, whole_shapes(rows, width))
+    if kind in SAMPLED_KINDS:
+        out["sampled"][kind] = {
+            "reference": generate(params, drafter, None, sampled=True),
+            "dp=2,tp=4": generate(params, drafter, "dp=2,tp=4", sampled=True)}
+    out["greedy"][kind] = greedy  # last: a kind is done once its greedy entry is written
+
+
+def progress(line: str) -> None:
+    """One line on stderr as each case ends (the test shows stderr's tail when the worker fails)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 # ---- the forward ----------------------------------------------------------------------------------
@@ -271,23 +290,41 @@ def error_cases(params) -> dict:
     return out
 
 
+def write_json(path: Path, value: dict) -> None:
+    """`value` as JSON at `path`, atomically (a temporary file, then a rename)."""
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(value))
+    partial.replace(path)
+
+
 def main() -> None:
+    """Runs every case not already in OUT's partial results (an earlier, aborted run's), saving
+    them after each case; OUT gets the whole results, `"complete": true`, at the end."""
     api.build_and_run = recording_build_and_run
     assert timing.build_and_run is not recording_build_and_run
+    out = Path(sys.argv[1])
     params = init_params(CFG, jax.random.PRNGKey(0))
-    results, seconds = {}, {}
+    results = json.loads(out.read_text()) if out.exists() else {"seconds": {}}
+    results["runs"] = results.get("runs", 0) + 1
+    seconds = results["seconds"]
+
+    def save(partial_generation: dict) -> None:
+        write_json(out, results | {"generation": partial_generation})
+
     for name, case in {"logits": lambda: logits_case(params), "load": load_case,
                        "errors": lambda: error_cases(params),
-                       "generation": lambda: generation_cases(params)}.items():
+                       "generation": lambda: generation_cases(
+                           params, results.get("generation", {}), save)}.items():
+        if name in seconds:  # finished by an earlier run
+            continue
         start = time.perf_counter()
         results[name] = case()
         seconds[name] = round(time.perf_counter() - start, 1)
-    results["seconds"] = seconds
+        progress(f"{name}: {seconds[name]} s")
+        write_json(out, results)
     results["devices"] = jax.device_count()
-    text = json.dumps(results)
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(text)
-    print(text)
+    results["complete"] = True
+    write_json(out, results)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ the module-scoped fixture returns its JSON and each test asserts on its part.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from fake_devices import xla_flags
 from helpers import tiny_config
 from jax.sharding import PartitionSpec as P
 
@@ -181,16 +179,30 @@ def test_loop_collectives_count_the_loop_only():
 # ---- 8 fake devices --------------------------------------------------------------------------------
 
 
+#: runs of the worker before the cases fail: the second resumes an aborted first (a stuck
+#: collective of XLA CPU's fake devices, see tests/fake_devices.py)
+WORKER_RUNS = 2
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    """Every multi-device case, run once in a subprocess with 8 fake CPU devices."""
+    """Every multi-device case, run once in a subprocess with 8 fake CPU devices; a run that XLA
+    aborted on a stuck collective is resumed once (the cases it finished are kept)."""
     out = tmp_path_factory.mktemp("sharding") / "results.json"
-    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    for run in range(1, WORKER_RUNS + 1):
+        proc = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True,
+                              text=True, timeout=900)
+        if proc.returncode == 0:
+            break
+        stuck = "Termination timeout" in proc.stderr
+        # the stderr without the stack frames XLA prints for every thread of a stuck run
+        said = "\n".join(line for line in proc.stderr.splitlines()
+                         if not line.lstrip().startswith("@"))
+        assert stuck and run < WORKER_RUNS, said[-4000:]
+        print(f"\nsharding worker run {run}: XLA aborted a stuck collective; resuming")
     results = json.loads(out.read_text())
-    print("\nsharding worker seconds:", results["seconds"])
+    assert results.get("complete"), results.keys()
+    print("\nsharding worker seconds:", results["seconds"], "runs:", results["runs"])
     return results
 
 

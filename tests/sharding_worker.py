@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_devices import RESUMABLE_TIMEOUT_S, xla_flags  # imports no jax
+from fake_devices import RESUMABLE_TIMEOUT_S, fake_devices_env  # imports no jax
 
-os.environ["XLA_FLAGS"] = xla_flags(8, RESUMABLE_TIMEOUT_S)
+os.environ.update(fake_devices_env(8, RESUMABLE_TIMEOUT_S))
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from helpers import tiny_config, write_hf  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from specjax import api, timing  # noqa: E402
+from specjax.drafters.auto import AutoDrafter, AutoParams  # noqa: E402
 from specjax.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specjax.drafters.layerskip import layerskip_drafter  # noqa: E402
 from specjax.drafters.learned.drafting import drafter_params  # noqa: E402
@@ -73,10 +74,11 @@ HEAD_OPTIONS = {
     "eagle3": {"ttt_steps": 3}, "mtp": {"ttt_steps": 3}, "medusa": {"num_heads": 3},
     "dflash": {"block_size": 4, "num_anchors": 8}, "dspark": {"block_size": 4, "num_anchors": 8},
 }
+KINDS = ("ar", "ngram", "suffix", "model", "layerskip", *HEAD_OPTIONS, "auto")
 #: kinds run on every mesh; the others on dp=2,tp=4 (both axes at once) only, to keep the
 #: worker's compile time modest
 ALL_MESH_KINDS = ("ar", "ngram", "eagle3")
-SAMPLED_KINDS = ("ar", "eagle3")
+SAMPLED_KINDS = ("ar", "eagle3", "auto")
 SAMPLING = {"temperature": 0.8, "top_k": 8}
 
 
@@ -86,6 +88,9 @@ def drafter_for(kind: str, params):
         return None, None
     if kind == "ngram":
         return NgramDrafter(tree=k_ary((2, 2, 1), max_nodes=7)), None
+    if kind == "auto":  # every shape in turn: plain steps, chains of 1 and 3, switched per step
+        return (AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 3), rotate=True),
+                AutoParams(inner=None, step_s=jnp.ones(3)))
     if kind == "suffix":
         return SuffixDrafter(tree=CHAIN), None
     if kind == "model":
@@ -145,7 +150,7 @@ def generation_cases(params, done: dict, save) -> dict:
                  "refill_collectives": {}, "seconds": {}} | done
     if "reference" not in out:
         out["reference"] = generate(params, (None, None), None)
-    for kind in ["ar", "ngram", "suffix", "model", "layerskip", *HEAD_OPTIONS]:
+    for kind in KINDS:
         if kind not in out["greedy"]:
             kind_case(params, kind, out)
             save(out)

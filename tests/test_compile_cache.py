@@ -29,7 +29,7 @@ cli_main = import_module("specjax.cli.main")  # the module (specjax.cli.main is 
 
 # One job of the API on a tiny model in a fresh process; prints the cache events and tokens.
 JOB = textwrap.dedent("""
-    import collections, json, sys, warnings
+    import collections, json, os, sys, warnings
     import jax
     events = collections.Counter()
     jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
@@ -43,7 +43,7 @@ JOB = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = specjax.generate_ids(cfg, params, [[3, 4, 5, 3, 4]], max_new_tokens=6, eos_ids=(),
-                                   draft="ngram", num_draft=2)
+                                   draft="ngram", num_draft=2, mesh=os.environ.get("JOB_MESH"))
     print(json.dumps({
         "before": before, "folder": str(use_compile_cache()), "tokens": out[0].token_ids,
         "hits": events["/jax/compilation_cache/cache_hits"],
@@ -94,6 +94,18 @@ def test_a_second_process_loads_every_program_and_damage_is_compiled_again(tmp_p
     assert all("corrupt or not this program's" in w for w in third["warnings"])
     fourth = run_job(tmp_path)  # the damaged entries were written anew
     assert fourth["hits"] == first["misses"] and not fourth["warnings"]
+
+
+def test_a_multi_device_cpu_process_caches_nothing(tmp_path):
+    """2 fake CPU devices, a dp=2 job: no entry read or written (a loaded XLA CPU program with
+    collectives deadlocks), one warning, the same tokens as one device."""
+    two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JOB_MESH": "dp=2"}
+    first = run_job(tmp_path, **two)
+    assert not entries(tmp_path / "compile") and first["hits"] == 0
+    assert len(first["warnings"]) == 1 and "2 CPU devices" in first["warnings"][0]
+    second = run_job(tmp_path, **two)
+    assert second["hits"] == 0 and second["tokens"] == first["tokens"]
+    assert second["tokens"] == run_job(tmp_path / "one")["tokens"]
 
 
 def test_switched_off_by_the_environment_or_left_to_the_user(tmp_path):

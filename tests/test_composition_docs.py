@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fake_devices import xla_flags
+from fake_devices import fake_devices_env
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "composition.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -31,7 +31,7 @@ def test_the_doc_examples_run(tmp_path):
     script = tmp_path / "composition.py"
     # one script, each block behind a marker, so a failure names its block
     script.write_text("\n".join(f"print('block {i}', flush=True)\n{block}" for i, block in enumerate(blocks)))
-    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, **fake_devices_env(2), "JAX_PLATFORMS": "cpu",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

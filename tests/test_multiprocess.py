@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_devices import xla_flags
+from fake_devices import fake_devices_env
 from helpers import write_gguf
 
 from specjax.cli.main import main as cli_main
@@ -41,8 +41,7 @@ def run_processes(argv: list[str], count: int, timeout: float = 300,
     """Runs `specjax ARGV` as `count` processes of one job on localhost, each with `devices`
     CPU devices; their results."""
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=xla_flags(devices))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **fake_devices_env(devices))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", "import sys; from specjax.cli.main import main; "

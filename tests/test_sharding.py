@@ -260,11 +260,12 @@ def test_batch_rounded_up_to_dp(worker):
 
 
 def test_greedy_sharded_equals_plain_greedy(worker):
-    """AR and every drafter kind, sharded, emit exactly the one-device plain greedy tokens."""
+    """AR, every drafter kind and auto switching shapes every step, sharded, emit exactly the
+    one-device plain greedy tokens."""
     generation = worker["generation"]
     reference = generation["reference"]
     assert set(generation["greedy"]) == {"ar", "ngram", "suffix", "model", "layerskip", "eagle3",
-                                         "mtp", "medusa", "dflash", "dspark"}
+                                         "mtp", "medusa", "dflash", "dspark", "auto"}
     for kind, by_mesh in generation["greedy"].items():
         assert by_mesh, kind
         for mesh, tokens in by_mesh.items():

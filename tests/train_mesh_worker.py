@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_devices import xla_flags  # imports no jax
+from fake_devices import fake_devices_env  # imports no jax
 
-os.environ["XLA_FLAGS"] = xla_flags(4)
+os.environ.update(fake_devices_env(4))
 
 import jax
 import numpy as np

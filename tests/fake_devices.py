@@ -5,16 +5,12 @@ thread can wait minutes for a core, and XLA CPU's default rendezvous timeouts (4
 terminate a stuck all-reduce / all-gather) then kill a correct program. The timeouts here are
 raised well past any test's own limit, so only a real deadlock fails, by the test's timeout.
 
-The fake devices also share one thread pool, of max(cores, devices) threads (XLA's CPU client;
-"at least CpuDeviceCount threads to launch one collective"): 8 threads for 8 devices on this
-2-core machine. A device's program runs independent thunks on several of them at once, and a
-thread in a collective blocks until every device arrives, so once the blocked threads fill the
-pool a device that has not arrived gets no thread: the sharding worker's dp=2,tp=4 decode was
-seen stuck for 15 minutes that way (2026-12-02, gdb: all 8 pool threads in all-reduce or
-all-gather thunks, a case that runs in 4 s). PJRT_NPROC sets the pool's size:
-THREADS_PER_DEVICE threads a device leave room for the collectives in flight. A worker that
-resumes (tests/sharding_worker.py) also passes a shorter timeout, so that XLA aborts a run
-stuck any other way and the next run picks up where it stopped.
+A program can also stop for good: the sharding worker's dp=2,tp=4 decode hung for 15 minutes
+(devices waiting in different all-gathers and all-reduces, most pool threads idle) each time
+it was loaded from the persistent compile cache, and never when compiled afresh; specjax now
+caches nothing in a multi-device CPU process (`specjax.compile_cache.multi_device_cpu`). A
+worker that resumes (tests/sharding_worker.py) passes a shorter timeout, so that XLA aborts a
+run stuck any other way and the next run picks up where it stopped.
 """
 from __future__ import annotations
 
@@ -23,15 +19,9 @@ COLLECTIVE_TIMEOUT_S = 1800
 RESUMABLE_TIMEOUT_S = 300
 
 
-#: the CPU client's thread pool per fake device (PJRT_NPROC = this x devices)
-THREADS_PER_DEVICE = 4
-
-
 def fake_devices_env(devices: int, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> dict[str, str]:
-    """The environment variables of a process with `devices` fake CPU devices: XLA_FLAGS
-    (`xla_flags`) and PJRT_NPROC, the size of the CPU client's thread pool."""
-    return {"XLA_FLAGS": xla_flags(devices, timeout_s),
-            "PJRT_NPROC": str(THREADS_PER_DEVICE * devices)}
+    """The environment variables of a process with `devices` fake CPU devices (XLA_FLAGS)."""
+    return {"XLA_FLAGS": xla_flags(devices, timeout_s)}
 
 
 def xla_flags(devices: int, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> str:

@@ -7,7 +7,9 @@
 3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
    on Spec-Bench summarization and on open chat (writing) prompts.
 4. llama.cpp: run through llama-cpp-python when it imports (the shipped Q4_1 GGUF, the same
-   prompts and threads), else the column holds the reason.
+   prompt token ids and threads, greedy, prefill excluded as for specjax), else the column
+   holds the reason. llama-cpp-python is a benchmark dependency (`pip install
+   llama-cpp-python`: it builds llama.cpp from its sdist; 0.3.36 builds here with cmake + g++).
 
     .venv/bin/python benchmarks/cpu_floor.py --prompts-per-set 2 --max-new 64 \
         --out benchmarks/results/cpu_floor_smollm2.json
@@ -78,14 +80,16 @@ def model_in(f32, mode: str):
 
 
 def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int = 4) -> dict:
-    """tokens/s (decode only, compile and prefill excluded) of B=1 generations of `prompts`."""
-    specjax.generate(model, prompts[:1], max_new_tokens=max_new, batch_size=1, draft=draft,
-                     num_draft=num_draft if draft else None)  # compile
+    """tokens/s (decode only, compile and prefill excluded) of B=1 generations of `prompts`
+    (static batches: a refilled slot's prefill runs inside the decode loop, so its time would
+    count as decoding)."""
+    options = dict(max_new_tokens=max_new, batch_size=1, draft=draft,
+                   num_draft=num_draft if draft else None, refill=False)
+    specjax.generate(model, prompts[:1], **options)  # compile
     tokens = seconds = 0.0
     lengths = []
     for prompt in prompts:
-        (g,) = specjax.generate(model, [prompt], max_new_tokens=max_new, batch_size=1, draft=draft,
-                                num_draft=num_draft if draft else None)
+        (g,) = specjax.generate(model, [prompt], **options)
         tokens += g.num_new_tokens
         seconds += g.times.decode_s
         lengths.append(len(prompt) + g.num_new_tokens / 2)
@@ -93,21 +97,37 @@ def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int = 4) ->
             "mean_length": float(np.mean(lengths))}
 
 
-def llama_cpp_rate(gguf_path: str, prompts, max_new: int, threads: int) -> dict | str:
-    """llama.cpp greedy tokens/s through llama-cpp-python, or why it did not run."""
+def llama_cpp_rate(gguf_path: str, prompts: list[list[int]], max_new: int, threads: int,
+                   eos_ids) -> dict | str:
+    """llama.cpp greedy decoding through llama-cpp-python over the same token ids (specjax's
+    chat template), or why it did not run. Counted as specjax's `decode_rate` counts: the new
+    tokens (the first included) over the seconds after the first token came out (prefill
+    excluded)."""
     try:
         import llama_cpp  # a benchmark dependency only, not installed by .[dev]
     except ImportError as e:
         return f"not run: llama-cpp-python does not import ({e})"
-    llm = llama_cpp.Llama(gguf_path, n_threads=threads, verbose=False, n_ctx=2048)
-    tokens = seconds = 0.0
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        out = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=max_new,
-                                         temperature=0.0)
-        seconds += time.perf_counter() - t0
-        tokens += out["usage"]["completion_tokens"]
-    return {"tokens_per_s": round(tokens / seconds, 2)}
+    llm = llama_cpp.Llama(gguf_path, n_threads=threads, n_threads_batch=threads, verbose=False,
+                          n_ctx=2048)
+    stop = set(eos_ids)
+    tokens = seconds = prefill = 0.0
+    for rep in range(2):  # the first pass warms up
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            count = 0
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                      reset=True):
+                count += 1
+                if count == 1:
+                    t1 = time.perf_counter()
+                if token in stop or count >= max_new:
+                    break
+            if rep:
+                prefill += t1 - t0
+                seconds += time.perf_counter() - t1
+                tokens += count
+    return {"tokens_per_s": round(tokens / seconds, 2), "prefill_s": round(prefill, 3),
+            "new_tokens": int(tokens), "threads": threads, "version": llama_cpp.__version__}
 
 
 def main() -> None:
@@ -149,7 +169,8 @@ def main() -> None:
                 "drafters": drafted, "best_drafter": best}
             print(mode, name, json.dumps(results[mode][name]), flush=True)
     gguf = str(f32.source)
-    llama = {name: llama_cpp_rate(gguf, texts, args.max_new, threads=os.cpu_count() or 1)
+    llama = {name: llama_cpp_rate(gguf, [f32.tokenizer.encode_chat(t) for t in texts],
+                                  args.max_new, os.cpu_count() or 1, f32.cfg.eos_token_ids)
              for name, texts in sets.items()}
     print("llama.cpp", llama, flush=True)
     report = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),

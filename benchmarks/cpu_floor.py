@@ -8,8 +8,8 @@
    on Spec-Bench summarization and on open chat (writing) prompts.
 4. llama.cpp: run through llama-cpp-python when it imports (the shipped Q4_1 GGUF, the same
    prompt token ids and threads, greedy, prefill excluded as for specjax), else the column
-   holds the reason. llama-cpp-python is a benchmark dependency (`pip install
-   llama-cpp-python`: it builds llama.cpp from its sdist; 0.3.36 builds here with cmake + g++).
+   holds the reason. llama-cpp-python is a benchmark dependency, built from its sdist (cmake +
+   g++; on a CPU that reports AMX build it without: docs/quantization.md has the flags).
 
     .venv/bin/python benchmarks/cpu_floor.py --prompts-per-set 2 --max-new 64 \
         --out benchmarks/results/cpu_floor_smollm2.json

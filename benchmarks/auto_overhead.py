@@ -1,0 +1,59 @@
+"""What auto's branch machinery costs a step: a static chain vs auto forced onto that chain.
+
+    python benchmarks/auto_overhead.py --batch 1 --num-draft 4 --repeats 5
+
+SmolLM2-135M f32, n-gram, one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
+pass by pass: `static` (`num_draft=D`) and `forced` (`AutoDrafter.wrap(ngram, (0, D))` with
+D priced far below a plain step, so every step picks D: the same steps inside auto's
+`lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
+seconds / steps, compile excluded) of each and their ratio, and checks that both emit the same
+tokens (docs/measure_and_tune.md quotes a run).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax.numpy as jnp
+
+import specjax
+from specjax.drafters.auto import AutoDrafter, AutoParams
+from specjax.drafters.ngram import NgramDrafter
+from specjax.models.hub import load_model
+from specjax.timing import job_stats
+from specjax.tree import chain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    model = load_model("smollm2-135m", dtype="float32")
+    prompts = [[1 + (7 * i + j) % 500 for j in range(200)] for i in range(args.batch)]
+    forced = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, args.num_draft))
+    costs = AutoParams(None, jnp.asarray([1.0, 1e-3], jnp.float32))  # D: far cheaper than plain
+    modes = {"static": {"draft": "ngram", "num_draft": args.num_draft},
+             "forced": {"draft": (forced, costs)}}
+    names = list(modes)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    tokens = {}
+    for rep in range(args.repeats + 1):  # pass 0 compiles
+        for name in names[rep % 2:] + names[:rep % 2]:
+            out = specjax.generate_ids(model.cfg, model.params, prompts, batch_size=args.batch,
+                                       max_new_tokens=args.max_new, eos_ids=[], **modes[name])
+            steps = max(r.spec["steps"] for r in out)
+            tokens.setdefault(name, [r.token_ids for r in out])
+            if rep:
+                ms[name].append(1e3 * job_stats(out).decode_s / steps)
+    med = {name: statistics.median(v) for name, v in ms.items()}
+    print({name: [round(x, 2) for x in v] for name, v in ms.items()})
+    print(f"B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, forced auto "
+          f"{med['forced']:.2f} ms/step, forced/static {med['forced'] / med['static']:.3f}; "
+          f"same tokens: {tokens['static'] == tokens['forced']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Decoding against this machine's memory-bandwidth floor, side by side in one run.
 
 1. Streaming-read bandwidth of a >= 1 GB buffer, with numpy and with jnp (best of N sums).
-2. For each mode (f32, bf16, int8, int4, w8a8): the bytes a B=1 decode step must read (weights at
+2. For each mode (f32, bf16, int8, int4): the bytes a B=1 decode step must read (weights at
    their stored width + the KV cache at the mean length) / the bandwidth = the floor step time;
    the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
 3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
@@ -29,11 +29,11 @@ import numpy as np
 
 import specjax
 from specjax.measure.datasets import load_prompt_set, select_rows
-from specjax.models.quant import QUANT_MODES, quantize_params
+from specjax.models.quant import quantize_params
 
 SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
 SETS = {"summarization": "summarization", "open_chat": "writing"}
-MODES = ("float32", "bfloat16", "int8", "int4", "w8a8")
+MODES = ("float32", "bfloat16", "int8", "int4")
 
 
 def numpy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -70,12 +70,11 @@ def kv_bytes(cfg, length: float) -> float:
 
 
 def model_in(f32, mode: str):
-    """The f32-loaded model as `mode` (bf16 params, or quantized layer kernels: int8 / int4 /
-    w8a8, `models.quant`)."""
+    """The f32-loaded model as `mode` (bf16 params, or int8 / int4 layer kernels)."""
     if mode == "bfloat16":
         return dataclasses.replace(f32, cfg=f32.cfg.replace(dtype="bfloat16"),
                                    params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), f32.params))
-    if mode in QUANT_MODES:
+    if mode in ("int8", "int4"):
         return dataclasses.replace(f32, params=quantize_params(f32.params, mode))
     return f32
 

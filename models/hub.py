@@ -306,7 +306,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
     dtype: of the params; "auto" = bfloat16 on GPU / TPU, float32 on CPU (`resolve_dtype`).
     shardings: None (one device) or `specjax.sharding.loader_shardings(mesh)`: each weight is
     loaded straight into its shards (`checkpoint.assemble_params`).
-    quantize: None, "int8", "int4", "fp8" or "w8a8": the layer kernels as qwix QArrays
+    quantize: None, "int8", "int4" or "fp8": the layer kernels as qwix QArrays
     (`models.quant`; checked before the file is read).
     """
     dtype = resolve_dtype(dtype)

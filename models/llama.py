@@ -26,7 +26,6 @@ from flax import struct
 from specjax.kernels.dispatch import verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.quant import linear
 
 Params = Any
 
@@ -97,7 +96,7 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """`nn.Dense`'s math and param names (`kernel [in, out]`, `bias [out]`); the kernel may be
-    a quantized `qwix.QArray` (`models.quant`), multiplied by `quant.linear`."""
+    a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`."""
 
     features: int
     use_bias: bool = False
@@ -110,7 +109,7 @@ class Linear(nn.Module):
         x = jnp.asarray(x, self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if isinstance(kernel, qwix.QArray):
-            y = linear(x, kernel).astype(self.dtype)
+            y = qwix.dot_general(x, kernel, dims).astype(self.dtype)
         else:
             y = jax.lax.dot_general(x, jnp.asarray(kernel, self.dtype), dims)
         if self.use_bias:

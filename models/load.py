@@ -38,7 +38,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
     """(ModelConfig, params) of a `.gguf` file or a Hugging Face folder. shardings: None (one
     device), or the config -> Sharding tree function of `assemble_params`
     (`specjax.sharding.loader_shardings(mesh)`): each leaf goes straight into its shards.
-    quantize: None or a `models.quant` mode ("int8", "int4", "fp8", "w8a8"): the layer kernels as
+    quantize: None or a `models.quant` mode ("int8", "int4", "fp8"): the layer kernels as
     qwix QArrays."""
     check_quantize(quantize)
     path = Path(path)

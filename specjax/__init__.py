@@ -34,7 +34,6 @@ __all__ = [
 def load(name_or_path: str, dtype: str = "auto", quantize: str | None = None) -> LoadedModel:
     """Loads a model preset name (e.g. "smollm2-135m"), a .gguf file or a Hugging Face folder,
     with its tokenizer. dtype: "auto" (bfloat16 on GPU / TPU, float32 on CPU), "float32",
-    "bfloat16" or "float16". quantize: None, "int8", "int4", "fp8" (weight-only) or "w8a8"
-    (int8 weights and per-token int8 activations; qwix, the decoder layers' kernels,
-    docs/quantization.md)."""
+    "bfloat16" or "float16". quantize: None, "int8", "int4" or "fp8" (weight-only, qwix; the
+    decoder layers' kernels, docs/quantization.md)."""
     return load_model(name_or_path, dtype=dtype, quantize=quantize)

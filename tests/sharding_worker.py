@@ -52,7 +52,6 @@ from specjax.models import checkpoint  # noqa: E402
 from specjax.models.cache import init_cache  # noqa: E402
 from specjax.models.llama import forward, init_params  # noqa: E402
 from specjax.models.load import load_checkpoint  # noqa: E402
-from specjax.models.quant import quantize_params  # noqa: E402
 from specjax.sharding import (  # noqa: E402
     as_mesh,
     cache_shardings,
@@ -155,19 +154,7 @@ def generation_cases(params, done: dict, save) -> dict:
         if kind not in out["greedy"]:
             kind_case(params, kind, out)
             save(out)
-    if "w8a8" not in out:
-        out["w8a8"] = quantized_case(quantize_params(params, "w8a8"))
-        save(out)
     return out
-
-
-def quantized_case(params) -> dict:
-    """W8A8 target (int8 weights, per-token int8 activations): plain greedy on one device (the
-    reference), plain on tp=8 (row-parallel kernels: the activation scale's max and the int32
-    partial sums are reduced across devices) and ngram on dp=2,tp=4."""
-    return {"reference": generate(params, (None, None), None),
-            "ar tp=8": generate(params, (None, None), "tp=8"),
-            "ngram dp=2,tp=4": generate(params, drafter_for("ngram", params), "dp=2,tp=4")}
 
 
 def kind_case(params, kind: str, out: dict) -> None:

@@ -273,14 +273,6 @@ def test_greedy_sharded_equals_plain_greedy(worker):
     assert set(generation["greedy"]["ar"]) == set(MESHES)
 
 
-def test_greedy_sharded_w8a8_equals_its_one_device_plain_greedy(worker):
-    """A W8A8-quantized target, sharded (tp=8 plain; ngram on dp=2,tp=4): the tokens of its own
-    plain greedy decoding on one device."""
-    runs = worker["generation"]["w8a8"]
-    assert runs["ar tp=8"] == runs["reference"]
-    assert runs["ngram dp=2,tp=4"] == runs["reference"]
-
-
 def test_sampled_sharded_equals_one_device(worker):
     """Sampling (temperature 0.8, top-k 8) with the same per-prompt keys: the same tokens."""
     for kind, runs in worker["generation"]["sampled"].items():

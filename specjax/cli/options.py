@@ -225,9 +225,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the weights and the compute")
     p.add_argument("--quantize", default=None, choices=list(QUANT_MODES),
-                   help="quantization of the decoder layers' kernels (qwix): weight-only int8 "
-                        "per channel, int4 in blocks of 32, fp8 e4m3 where the backend runs it; "
-                        "w8a8: int8 weights and per-token int8 activations (integer matmuls) "
+                   help="weight-only quantization of the decoder layers' kernels (qwix): int8 "
+                        "per channel, int4 in blocks of 32, fp8 e4m3 where the backend runs it "
                         "(default: off); draft models follow the target's")
 
 DRAFTER_HELP = ("drafter: ngram | ngram:NMIN-NMAX | suffix | layerskip:K | model:NAME_OR_PATH | "

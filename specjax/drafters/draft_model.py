@@ -232,7 +232,9 @@ def draw_children(
 
     key: the rows' keys `[B, 2]` (row b's noise from its own key) or one key.
     Returns tokens `[B, C]`, ok `[B, C]` (inside the processed support) and probs `[B, C, V]`
-    (the distribution each child was drawn from; see the module docstring).
+    (the distribution each child was drawn from; see the module docstring), or None under
+    static greedy params (`SamplingParams.greedy`): greedy acceptance compares tokens only, and
+    a `[B, N, V]` draft distribution per step is most of a greedy drafter's kernels and bytes.
     """
     scores = processed_logits(logits, sampling)  # [B, K, V], -inf outside top-k / top-p
     if sampling.greedy:  # static: no draw at all
@@ -241,9 +243,14 @@ def draw_children(
         noise = per_row(key, scores.shape[0],
                         lambda k: jax.random.gumbel(k, scores.shape[1:], jnp.float32))
         noisy = scores + jnp.where(sampling.is_greedy, 0.0, noise)
-    cand_scores, cand = jax.lax.top_k(noisy, num_ranks)  # [B, K, R]
+    if num_ranks == 1:  # a chain: the argmax (ties to the lower index, as top_k), no sort
+        cand, cand_scores = jnp.argmax(noisy, axis=-1)[..., None], jnp.max(noisy, axis=-1)[..., None]
+    else:
+        cand_scores, cand = jax.lax.top_k(noisy, num_ranks)  # [B, K, R]
     tokens = cand[:, cols, ranks]
     ok = jnp.isfinite(cand_scores[:, cols, ranks])
+    if sampling.greedy:
+        return tokens, ok, None
     q = jax.nn.softmax(scores, axis=-1)[:, cols]  # [B, C, V]
     earlier = jnp.arange(num_ranks)[None, :] < ranks[:, None]  # [C, R]
     removed = jnp.where(earlier[None], cand[:, cols], q.shape[-1])  # [B, C, R]; V = no-op
@@ -352,14 +359,16 @@ class DraftModelDrafter(Drafter):
             nodes = t["nodes"]
             tokens = tokens.at[:, nodes].set(tok, mode="drop")
             valid = valid.at[:, nodes].set(ok, mode="drop")
-            probs = probs.at[:, nodes].set(q, mode="drop")
+            if q is not None:
+                probs = probs.at[:, nodes].set(q, mode="drop")
             return (out.cache, tokens, valid, probs), None
 
         carry = (
             state.cache,
             jnp.zeros((batch, num_nodes), jnp.int32),
             jnp.zeros((batch, num_nodes), bool),
-            jnp.zeros((batch, num_nodes, self.cfg.vocab_size), jnp.float32),
+            None if sampling.greedy  # greedy: no draft distributions (`draw_children`)
+            else jnp.zeros((batch, num_nodes, self.cfg.vocab_size), jnp.float32),
         )
         (cache, tokens, valid, probs), _ = jax.lax.scan(iteration, carry, tables)
         return Draft(tokens=tokens, valid=valid, probs=probs), state.replace(cache=cache, base=length)

@@ -61,7 +61,7 @@ def level_tables(tree: TreeSpec) -> LevelTables:
 
 
 def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry, key: jax.Array,
-                 sampling: SamplingParams):
+                 sampling: SamplingParams, log_probs: bool = False):
     """Drafts a whole tree from the root's children logits `[B, 1, V]` and `expand`, level by
     level; children are drawn by `draft_model.draw_children` (argmax ranks when greedy, Gumbel
     top-k = sampling without replacement otherwise, with the distribution each was drawn from).
@@ -71,8 +71,10 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
     shared by all of them (drafters whose depth-d distribution does not depend on the parent:
     Medusa, DFlash). The levels are ONE `lax.scan` (draw a level, then expand it unless it is
     the last), so the program holds one draw and one expand whatever the tree's depth.
-    Returns (tokens `[B, N]`, valid `[B, N]`, probs `[B, N, V]`, node log-probs `[B, N]` of each
-    token under the drafter's raw (temperature 1) distribution, carry).
+    Returns (tokens `[B, N]`, valid `[B, N]`, probs `[B, N, V]` (None under static greedy params,
+    as `draw_children`), node log-probs `[B, N]` of each token under the drafter's raw
+    (temperature 1) distribution (None unless `log_probs`: a log-softmax over the vocabulary
+    per level that only path-probability pruning reads), carry).
     """
     batch, vocab = first_logits.shape[0], first_logits.shape[-1]
     num, depth = tree.num_nodes, tree.max_depth
@@ -80,7 +82,8 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
     level_tokens = lambda tokens, nodes: jnp.take(tokens, nodes, axis=1, mode="clip")
     like = lambda shape, dtype, fill=0: jnp.full_like(first_logits, fill, dtype, shape=shape)
     init = (like((batch, num), jnp.int32), like((batch, num), bool, True),  # vary like the input
-            like((batch, num, vocab), jnp.float32), like((batch, num), jnp.float32))
+            None if sampling.greedy else like((batch, num, vocab), jnp.float32),  # greedy: none
+            like((batch, num), jnp.float32) if log_probs else None)
     rows = jax.eval_shape(expand, jnp.int32(0), level_tokens(init[0], tables.nodes[0]), carry)[0]
     logits = first_logits
     if rows.shape[1] > 1:  # one row per parent: the root's row for every column of depth 1
@@ -95,13 +98,15 @@ def draft_levels(tree: TreeSpec, first_logits: jax.Array, expand: Expand, carry,
         (tokens, valid, probs, logp), logits, carry = state
         tok, ok, q = draw_children(t["key"], logits, t["cols"], t["ranks"], tables.num_ranks,
                                    sampling)
-        raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, t["cols"]].astype(jnp.float32), -1),
-                                  tok[..., None], -1)[..., 0]
         nodes = t["nodes"]
+        if log_probs:
+            raw = jnp.take_along_axis(
+                jax.nn.log_softmax(logits[:, t["cols"]].astype(jnp.float32), -1), tok[..., None], -1)
+            logp = logp.at[:, nodes].set(raw[..., 0], mode="drop")
         drafted = (tokens.at[:, nodes].set(tok.astype(jnp.int32), mode="drop"),
                    valid.at[:, nodes].set(ok, mode="drop"),
-                   probs.at[:, nodes].set(q, mode="drop"),
-                   logp.at[:, nodes].set(raw, mode="drop"))
+                   None if q is None else probs.at[:, nodes].set(q, mode="drop"),
+                   logp)
         logits, carry = jax.lax.cond(
             t["level"] + 1 < depth,
             lambda: expand(t["level"], level_tokens(drafted[0], nodes), carry),

@@ -198,6 +198,8 @@ class SequentialDrafter(HeadDrafter):
             return logits, (node_k, node_v, node_out.at[:, nodes].set(out, mode="drop"))
 
         first = self._call(params, "logits", state.last[:, None], params["target"])
-        tokens, valid, probs, logp, _ = draft_levels(tree, first, expand, carry, key, sampling)
-        score = jnp.exp(path_log_probs(logp, tree))
+        pruned = self.min_path_prob > 0
+        tokens, valid, probs, logp, _ = draft_levels(tree, first, expand, carry, key, sampling,
+                                                     log_probs=pruned)
+        score = jnp.exp(path_log_probs(logp, tree)) if pruned else None
         return make_draft(tokens, valid, probs, score, self.min_path_prob), state

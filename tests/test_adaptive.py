@@ -155,7 +155,11 @@ def proposal_after(drafter: AutoDrafter, inner_params, prompt: list[int], branch
                                 criteria, steps=1)
     state, drafter_state, _ = started
     longest = drafter.shaped(max(drafter.lengths))
-    draft, _ = longest.propose(inner_params, drafter_state.inner, state, jax.random.PRNGKey(1), sampling)
+    # greedy in value, not statically: a static-greedy proposal builds no distributions
+    # (`draft_model.draw_children`), and they are the finer check of the state
+    traced_greedy = sampling.replace(greedy=None)
+    draft, _ = longest.propose(inner_params, drafter_state.inner, state, jax.random.PRNGKey(1),
+                               traced_greedy)
     committed = [int(t) for t in state.tokens[0, : int(state.num_tokens[0])]]
     return committed, [int(t) for t in draft.tokens[0]], np.asarray(draft.probs[0])
 

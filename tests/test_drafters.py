@@ -313,3 +313,24 @@ def test_sampled_children_are_lossless():
     same test catches siblings that claim the parent's q (p < 1e-6)."""
     assert chi_square_pvalue(honest=True) > 1e-3
     assert chi_square_pvalue(honest=False) < 1e-6
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_static_greedy_children_equal_the_reference_draw(num_ranks):
+    """`draw_children` under static greedy params (argmax for a chain, no distributions) picks
+    the same children as the reference path (greedy only in value: top_k and the distributions
+    built), on random logits with ties and a non-finite row."""
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-3, 3, (4, 2, 16)).astype(np.float32)  # small integers: many ties
+    logits[1, 0, :] = -np.inf
+    logits[2, 1, 5] = np.nan
+    cols = jnp.asarray([0, 0, 1] if num_ranks == 3 else [0, 1])
+    ranks = jnp.asarray([0, 1, 0] if num_ranks == 3 else [0, 0])
+    static = SamplingParams.make()
+    traced = static.replace(greedy=None)
+    key = jax.random.PRNGKey(0)
+    tok, ok, probs = draw_children(key, jnp.asarray(logits), cols, ranks, num_ranks, static)
+    ref_tok, ref_ok, ref_probs = draw_children(key, jnp.asarray(logits), cols, ranks, num_ranks, traced)
+    assert probs is None and ref_probs is not None
+    np.testing.assert_array_equal(np.asarray(ok), np.asarray(ref_ok))
+    np.testing.assert_array_equal(np.asarray(tok)[np.asarray(ok)], np.asarray(ref_tok)[np.asarray(ref_ok)])

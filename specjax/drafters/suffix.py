@@ -11,9 +11,12 @@ lookups and updates run inside the one speculative program:
   successor of a full slot replaces its least frequent way (the frequent ones stay).
 - `observe`: counts every (context, next token) pair of newly committed tokens, for all orders
   at once: a sort groups equal pairs (their count is the group size) and ranks the distinct
-  successors of a slot, then M conflict-free scatter rounds merge them into the table. It runs
-  on the prompts at prefill and on each row's accepted block after every step, and the table
-  is shared by all rows of the batch.
+  successors of a slot, then M conflict-free scatter rounds merge them into the table. The
+  table is shared by all rows of the batch. It is kept up to date at ONE place in the
+  program: each proposal first counts what its rows committed since the last one (`catch_up`:
+  the prompt and first token at a row's first step, its accepted block after that), in
+  chunks of `catch_up_span` positions, so the prefill program and `update` hold no copy of
+  the counting (a second copy of it was ~50 of the prefill program's ~150 kernels).
 - `ranked_successors`: candidates of a context from all orders, longest order first, then by
   count; duplicates keep their best entry.
 - propose: the draft tree grows level by level (one `lax.scan` over the levels): a node of rank
@@ -284,18 +287,26 @@ class SuffixDrafter(Drafter):
     def carry(self, state: SuffixState) -> SuffixTable:
         return state.table
 
-    def _observe(self, state: SuffixState, decode, span: int) -> SuffixState:
-        table = observe(state.table, decode.tokens, decode.num_tokens, state.seen, span, self.orders)
-        return SuffixState(table, decode.num_tokens)
+    @property
+    def catch_up_span(self) -> int:
+        """Positions a row counts per round of `catch_up`: a step's accepted block (at most
+        max_depth + 1) in one round, a prompt in a few."""
+        return max(self.tree.max_depth + 1, 32)
 
-    def prefill(self, params, state: SuffixState, decode, target_out) -> SuffixState:
-        """Counts the prompts and first tokens (span: the prompt width P + 1)."""
-        return self._observe(state, decode, target_out.hidden.shape[1] + 1)
+    def catch_up(self, state: SuffixState, decode) -> SuffixState:
+        """The table with every row's positions `[seen, num_tokens)` counted (prefill and
+        update count nothing: this runs before each proposal), catch_up_span per row and round."""
+        span = self.catch_up_span
 
-    def update(self, params, state: SuffixState, decode, result, target_out) -> SuffixState:
-        return self._observe(state, decode, self.tree.max_depth + 1)
+        def round_(st: SuffixState) -> SuffixState:
+            upto = jnp.minimum(st.seen + span, decode.num_tokens)
+            return SuffixState(observe(st.table, decode.tokens, upto, st.seen, span, self.orders),
+                               upto)
+
+        return jax.lax.while_loop(lambda st: jnp.any(st.seen < decode.num_tokens), round_, state)
 
     def propose(self, params, state: SuffixState, decode, key, sampling):
+        state = self.catch_up(state, decode)
         tree, tables = self.tree, child_tables(self.tree)
         batch, size = decode.tokens.shape[0], self.n_max
         root = windows_before(decode.tokens, decode.num_tokens[:, None], size)  # [B, 1, n]

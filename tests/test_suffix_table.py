@@ -127,3 +127,32 @@ def test_hashes_of_all_orders_equal_hashing_each_order_alone():
     assert bool((again[1][:, 2] != fps[:, 2]).all())
     before_start = context.at[:, 0].set(-1)
     assert suffix.context_hashes(before_start, (1, 2, 6), 16)[2][:, 2].tolist() == [False] * 4
+
+
+@pytest.mark.parametrize("log2_slots,ways", [(12, 4), (4, 2)])
+def test_catch_up_counts_each_backlog_in_rounds_like_the_reference(log2_slots, ways):
+    """`SuffixDrafter.catch_up` (what runs before every proposal) counts each row's positions
+    [seen, num_tokens) in rounds of catch_up_span: the same table as the reference applied
+    round by round, for ragged backlogs (a long prompt's several rounds, a step's block, and a
+    row with nothing new), and every row caught up afterwards."""
+    from types import SimpleNamespace
+
+    from specjax.tree import chain
+
+    drafter = suffix.SuffixDrafter(tree=chain(4), n_min=1, n_max=3, log2_slots=log2_slots, ways=ways)
+    span = drafter.catch_up_span
+    rng = np.random.default_rng(7)
+    width = 3 * span + 10
+    tokens = rng.integers(0, 6, (3, width)).astype(np.int32)
+    seen = np.array([0, 40, 25], np.int32)
+    num_tokens = np.array([3 * span + 5, 45, 25], np.int32)  # 4 rounds, one round, none
+    state = suffix.SuffixState(suffix.SuffixTable.empty(1 << log2_slots, ways), jnp.asarray(seen))
+    out = drafter.catch_up(state, SimpleNamespace(tokens=jnp.asarray(tokens),
+                                                  num_tokens=jnp.asarray(num_tokens)))
+    ref, at = {}, seen.copy()
+    while np.any(at < num_tokens):
+        upto = np.minimum(at + span, num_tokens)
+        reference_observe(ref, tokens, upto, at, drafter.orders, log2_slots, ways)
+        at = upto
+    assert table_as_dict(out.table) == ref
+    assert np.asarray(out.seen).tolist() == num_tokens.tolist()

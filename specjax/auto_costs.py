@@ -124,8 +124,9 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
         jnp.full((batch_size,), width, jnp.int32), as_target(target).init_cache(batch_size, width),
         jax.random.PRNGKey(3), sampling, criteria, drafter.init_carry(params_), width=width)
     started = start()
+    looped = drafter.loop_params(params_)  # as the decoding programs' loops read them
     run = lambda b: jax.block_until_ready(_forced_steps(
-        target, params, drafter, params_, started, jnp.int32(b), sampling, criteria, steps=steps))
+        target, params, drafter, looped, started, jnp.int32(b), sampling, criteria, steps=steps))
     first = time.perf_counter()
     run(0)  # compiles (one program for every branch)
     first = time.perf_counter() - first

@@ -398,6 +398,7 @@ def spec_finish(target: TargetModel, params, drafter, drafter_params, started,
     """The second half of `spec_generate_program`: speculative steps from `spec_start`'s
     (state, drafter state, metrics) until every row is done -> (state, metrics, drafter state);
     `drafter.carry(drafter state)` is what the job's next batch resumes from."""
+    drafter_params = drafter.loop_params(drafter_params)
 
     def body(carry):
         s, ds, m = carry

@@ -331,6 +331,8 @@ class Decoder:
         """(ChunkOutputs, SlotCounters, Slots) of one call over `queue`."""
         policy, batch = self.policy, slots.prompt.shape[0]
         width = slots.state.tokens.shape[1]
+        if self.drafter is not None:
+            drafter_params = self.drafter.loop_params(drafter_params)
         zero = jnp.zeros((), jnp.int32)
         carry = RefillCarry(slots=slots, next_prompt=zero,
                             outputs=empty_outputs(queue.capacity + batch, width, self.drafter),

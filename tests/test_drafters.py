@@ -334,3 +334,38 @@ def test_static_greedy_children_equal_the_reference_draw(num_ranks):
     assert probs is None and ref_probs is not None
     np.testing.assert_array_equal(np.asarray(ok), np.asarray(ref_ok))
     np.testing.assert_array_equal(np.asarray(tok)[np.asarray(ok)], np.asarray(ref_tok)[np.asarray(ref_ok)])
+
+
+def _while_bodies(jaxpr):
+    """The body jaxprs of every `while` in jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            if eqn.primitive.name == "while":
+                yield sub
+            yield from _while_bodies(sub)
+
+
+def test_layerskip_cuts_the_stacked_layers_once_before_the_decoding_loop():
+    """`loop_params`: the first K of the target's stacked layers are sliced before the decode
+    loop, not in every step (XLA keeps such a slice inside the loop); the slices' result is
+    what the drafter's methods take as it is."""
+    from specjax.loop import StopCriteria, spec_finish, spec_start_program
+    from specjax.target import as_target
+
+    skip, params = drafter("layerskip:1", "chain")
+    looped = skip.loop_params(params)
+    assert jax.tree.leaves(looped["params"]["layers"])[0].shape[0] == 1
+    assert skip.model_params(looped) is looped
+    target, width = as_target(CFG), 32
+    sampling, criteria = SamplingParams.make(0.0), StopCriteria.make(())
+    started = spec_start_program(
+        target, target_params(), skip, params, jnp.asarray([[3, 4, 5, 6]], jnp.int32),
+        jnp.asarray([4]), jnp.asarray([8]), target.init_cache(1, width),
+        jnp.zeros((1, 2), jnp.uint32), sampling, criteria, width=width)
+    jaxpr = jax.make_jaxpr(spec_finish, static_argnums=(0, 2))(
+        target, target_params(), skip, params, started, sampling, criteria).jaxpr
+    stacked = {x.shape for x in jax.tree.leaves(params["params"]["layers"])}  # [L, ...] weights
+    cuts = lambda jx: [e for e in jx.eqns if e.primitive.name == "slice"
+                       and e.invars[0].aval.shape in stacked and e.outvars[0].aval.shape[:1] == (1,)]
+    assert cuts(jaxpr), "the cut moved: update this test"
+    assert not any(cuts(body) for body in _while_bodies(jaxpr))

@@ -183,6 +183,9 @@ class AutoDrafter(Drafter):
     def init_carry(self, params: AutoParams):
         return self.inner.init_carry(params.inner)
 
+    def loop_params(self, params: AutoParams) -> AutoParams:
+        return params.replace(inner=self.inner.loop_params(params.inner))
+
     def resume(self, state: AutoState, carry) -> AutoState:
         return state.replace(inner=self.inner.resume(state.inner, carry))
 

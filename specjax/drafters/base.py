@@ -86,6 +86,13 @@ class Drafter:
         """The job-level part of a batch state, handed to the job's next batch."""
         return ()
 
+    def loop_params(self, params):
+        """The params the drafter's calls inside a decoding loop read, derived from its params
+        once before the loop (every method also takes `params` as given). A slice of a
+        loop-invariant input stays inside XLA's `while_loop` and is redone every step: layerskip
+        cuts the target's stacked layers to its first K here. Default: params as they are."""
+        return params
+
     def prefill(self, params, state: DrafterState, decode, target_out) -> DrafterState:
         return state
 

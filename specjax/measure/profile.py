@@ -247,7 +247,8 @@ def step_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: in
     state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context,
                                tree.num_nodes, calls, capacity)
     metrics = jax.tree.map(jnp.copy, SpecMetrics.zeros(batch_size, tree.max_depth))  # distinct buffers
-    step = lambda c: _spec_step_jit(cfg, params, drafter, drafter_params, c, sampling)
+    looped = drafter.loop_params(drafter_params)  # once, as the decoding programs' loops do
+    step = lambda c: _spec_step_jit(cfg, params, drafter, looped, c, sampling)
     return step, (state, dstate, metrics)
 
 
@@ -275,7 +276,8 @@ def draft_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: i
     state, dstate = _prefilled(cfg, params, drafter, drafter_params, batch_size, context,
                                drafter.tree.num_nodes, calls, capacity)
     target_out, result = _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling)
-    step = lambda d: _draft_only(drafter, drafter_params, d, state, key, sampling, target_out, result)[0]
+    looped = drafter.loop_params(drafter_params)  # once, as the decoding programs' loops do
+    step = lambda d: _draft_only(drafter, looped, d, state, key, sampling, target_out, result)[0]
     return step, dstate
 
 

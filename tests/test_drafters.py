@@ -30,8 +30,10 @@ from specjax.accept import accept_sampling
 from specjax.api import generate_ids
 from specjax.drafters.draft_model import DraftModelDrafter, child_tables, draw_children
 from specjax.drafters.registry import make_drafter
+from specjax.loop import StopCriteria, spec_finish, spec_start_program
 from specjax.models.llama import forward, init_params
 from specjax.sampling import SamplingParams, probabilities
+from specjax.target import as_target
 from specjax.tree import chain, k_ary
 from specjax.types import Draft
 
@@ -349,9 +351,6 @@ def test_layerskip_cuts_the_stacked_layers_once_before_the_decoding_loop():
     """`loop_params`: the first K of the target's stacked layers are sliced before the decode
     loop, not in every step (XLA keeps such a slice inside the loop); the slices' result is
     what the drafter's methods take as it is."""
-    from specjax.loop import StopCriteria, spec_finish, spec_start_program
-    from specjax.target import as_target
-
     skip, params = drafter("layerskip:1", "chain")
     looped = skip.loop_params(params)
     assert jax.tree.leaves(looped["params"]["layers"])[0].shape[0] == 1

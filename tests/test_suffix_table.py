@@ -2,11 +2,14 @@
 rounds) against a plain-Python reference of the same rules, on random token streams."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax.drafters import suffix
+from specjax.tree import chain
 
 ORDERS = (1, 2, 3)
 
@@ -135,10 +138,6 @@ def test_catch_up_counts_each_backlog_in_rounds_like_the_reference(log2_slots, w
     [seen, num_tokens) in rounds of catch_up_span: the same table as the reference applied
     round by round, for ragged backlogs (a long prompt's several rounds, a step's block, and a
     row with nothing new), and every row caught up afterwards."""
-    from types import SimpleNamespace
-
-    from specjax.tree import chain
-
     drafter = suffix.SuffixDrafter(tree=chain(4), n_min=1, n_max=3, log2_slots=log2_slots, ways=ways)
     span = drafter.catch_up_span
     rng = np.random.default_rng(7)

@@ -26,6 +26,7 @@ from specjax.rng import as_row_keys, sample_rows, split_rows, step_keys
 from specjax.sampling import SamplingParams
 from specjax.target import TargetModel, as_target
 from specjax.verify import verify
+from specjax.xla_options import program
 
 # stop_reason codes
 RUNNING, EOS, STOP, LENGTH, ERROR = 0, 1, 2, 3, 4
@@ -230,7 +231,7 @@ def ar_step_out(target: TargetModel, params, state: DecodeState, sampling: Sampl
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target", "width"), donate_argnames=("cache",)
+    program, static_argnames=("target", "width"), donate_argnames=("cache",)
 )
 def generate_program(
     target: TargetModel,
@@ -280,8 +281,8 @@ def ar_finish(target: TargetModel, params, state: DecodeState, sampling: Samplin
 #: `generate_program` as two programs, so a caller can time prefill and decode apart (the
 #: batch's time to first token, then the rest): `ar_finish_program(target, params,
 #: ar_start_program(target, params, ...), sampling, criteria)` gives the same state
-ar_start_program = jax.jit(ar_start, static_argnames=("target", "width"), donate_argnames=("cache",))
-ar_finish_program = jax.jit(ar_finish, static_argnames=("target",), donate_argnames=("state",))
+ar_start_program = program(ar_start, static_argnames=("target", "width"), donate_argnames=("cache",))
+ar_finish_program = program(ar_finish, static_argnames=("target",), donate_argnames=("state",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target", "drafter", "width"),
+    program, static_argnames=("target", "drafter", "width"),
     donate_argnames=("cache", "drafter_carry"),
 )
 def spec_generate_program(
@@ -409,7 +410,7 @@ def spec_finish(target: TargetModel, params, drafter, drafter_params, started,
 
 
 #: `spec_generate_program` as two programs (see `ar_start_program`)
-spec_start_program = jax.jit(spec_start, static_argnames=("target", "drafter", "width"),
+spec_start_program = program(spec_start, static_argnames=("target", "drafter", "width"),
                              donate_argnames=("cache", "drafter_carry"))
-spec_finish_program = jax.jit(spec_finish, static_argnames=("target", "drafter"),
+spec_finish_program = program(spec_finish, static_argnames=("target", "drafter"),
                               donate_argnames=("started",))

@@ -48,6 +48,7 @@ from specjax.metrics import SpecMetrics
 from specjax.models.cache import KVCache
 from specjax.sampling import SamplingParams
 from specjax.target import TargetModel, as_target
+from specjax.xla_options import program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +375,7 @@ def run_refill(target: TargetModel, params, drafter, drafter_params, queue: Prom
                                                 criteria, jnp.asarray(last, bool))
 
 
-slots_program = jax.jit(start_slots, static_argnames=("drafter", "width"),
+slots_program = program(start_slots, static_argnames=("drafter", "width"),
                         donate_argnames=("cache", "drafter_carry"))
-refill_program = jax.jit(run_refill, static_argnames=("target", "drafter", "policy"),
+refill_program = program(run_refill, static_argnames=("target", "drafter", "policy"),
                          donate_argnames=("slots",))

@@ -427,7 +427,7 @@ def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"key": {}}), "",
-                                     "FOREIGN", "MALFORMED"])
+                                     "FOREIGN", "OTHER_OPTIONS", "MALFORMED"])
 def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content):
     _, drafter = costs_now()
     cfg, _ = model()
@@ -435,6 +435,9 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
     path = auto_costs.cost_path(key)
     if content == "FOREIGN":
         content = json.dumps({"key": key | {"device_kind": "TPU v9"}, "step_s": [1.0] * 4})
+    elif content == "OTHER_OPTIONS":  # profiled with programs compiled under other XLA options
+        assert key["compile_options"] == {"xla_cpu_enable_concurrency_optimized_scheduler": "False"}
+        content = json.dumps({"key": key | {"compile_options": {}}, "step_s": [1.0] * 4})
     elif content == "MALFORMED":
         content = json.dumps({"key": key, "step_s": [1.0, -1.0]})
     path.write_text(content)

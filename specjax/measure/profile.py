@@ -39,6 +39,7 @@ from specjax.models.llama import forward, init_params
 from specjax.models.quant import quantize_params
 from specjax.sampling import SamplingParams
 from specjax.verify import verify
+from specjax.xla_options import program
 
 RANDOM_PREFIX = "random:"
 SHAPES_DIR = "models/shapes"
@@ -153,7 +154,7 @@ def _median(timer: Timer, repeats: int, warmup: int) -> float:
     return interleaved_medians({"t": timer}, repeats=repeats, warmup=warmup)["t"]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(program, static_argnames=("cfg",), donate_argnames=("cache",))
 def _forward_tokens(cfg: ModelConfig, params, tokens, cache):
     """The target over tokens `[B, T]` after each row's cached prefix; -> (cache, argmax `[B, T]`).
 
@@ -188,7 +189,7 @@ def _no_stop() -> StopCriteria:
     return StopCriteria.make((), ())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("cache",))
+@functools.partial(program, static_argnames=("cfg", "drafter"), donate_argnames=("cache",))
 def _prefilled_jit(cfg, params, drafter, drafter_params, prompt_tokens, cache, key, sampling):
     batch, prompt_width = prompt_tokens.shape
     width = cache.capacity
@@ -220,7 +221,7 @@ def _prefilled(cfg, params, drafter, drafter_params, batch_size: int, context: i
                           SamplingParams.make())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(program, static_argnames=("cfg",), donate_argnames=("state",))
 def _ar_step_jit(cfg, params, state, sampling):
     return ar_step(cfg, params, state, sampling, _no_stop())
 
@@ -233,7 +234,7 @@ def ar_step_timer(cfg: ModelConfig, params, batch_size: int, *, context: int,
     return (lambda s: _ar_step_jit(cfg, params, s, sampling)), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("carry",))
+@functools.partial(program, static_argnames=("cfg", "drafter"), donate_argnames=("carry",))
 def _spec_step_jit(cfg, params, drafter, drafter_params, carry, sampling):
     state, dstate, metrics = carry
     return spec_step(cfg, params, drafter, drafter_params, state, dstate, metrics, sampling, _no_stop())
@@ -252,7 +253,7 @@ def step_timer(cfg: ModelConfig, params, drafter, drafter_params, batch_size: in
     return step, (state, dstate, metrics)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
+@functools.partial(program, static_argnames=("cfg", "drafter"))
 def _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling):
     """(target ForwardOutput, AcceptResult) of one step from this state: update's inputs."""
 
@@ -261,7 +262,7 @@ def _verified(cfg, params, drafter, drafter_params, state, dstate, key, sampling
     return out, drafter.accept(drafter_params, key, out.logits, draft, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter",), donate_argnames=("dstate",))
+@functools.partial(program, static_argnames=("drafter",), donate_argnames=("dstate",))
 def _draft_only(drafter, drafter_params, dstate, state, key, sampling, target_out, result):
     """propose + update of the drafter alone -> (drafter state, draft tokens `[B, N]`)."""
     draft, dstate = drafter.propose(drafter_params, dstate, state, key, sampling)

@@ -1,0 +1,100 @@
+"""The XLA compile options of specjax's programs, and `program`: the `jax.jit` that applies them.
+
+Every jitted program of the decoding loop (`specjax.loop`, `specjax.refill`) and of the cost
+profilers (`specjax.auto_costs`, `specjax.measure.profile`: the costs they measure are those of
+the programs that run) is a `Program`. On the CPU backend it is compiled with
+`CPU_OPTIONS`:
+
+- `xla_cpu_enable_concurrency_optimized_scheduler=False`: XLA CPU's default HLO schedule
+  (jaxlib 0.10.2) orders a program for concurrency; in a step nested one `while_loop` deeper
+  than a static step (`num_draft="auto"` keeps a picked shape stepping in its own loop inside
+  the `lax.switch`) it left the pool threads idle between kernels: auto forced onto a chain of
+  4 ran 8-15 % slower a step than the static chain. With the option off, the same two are
+  within noise of each other, and a static step is no slower (`benchmarks/auto_overhead.py`,
+  docs/measure_and_tune.md quotes the runs).
+
+Other backends get no options (these are XLA CPU's). The backend is read at a program's first
+call, not at import: `jax.distributed.initialize` must come before any use of a backend. A
+setting the user made in `XLA_FLAGS` is kept (an option named there is not overridden).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+#: compile options of every Program on the CPU backend (see the module docstring)
+CPU_OPTIONS: dict[str, Any] = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+
+
+def compile_options(backend: str, xla_flags: str = "") -> dict[str, Any]:
+    """The options a Program compiles with on `backend` ("cpu", "gpu", "tpu"), less those the
+    user set in `xla_flags` (the `XLA_FLAGS` string)."""
+    if backend != "cpu":
+        return {}
+    named = {flag.split("=")[0].lstrip("-") for flag in xla_flags.split()}
+    return {name: value for name, value in CPU_OPTIONS.items() if name not in named}
+
+
+class Program:
+    """`jax.jit(fn, **jit_kwargs)` compiled with `compile_options` of the default backend,
+    decided at the first call (or `lower`); otherwise it behaves as the jitted function."""
+
+    def __init__(self, fn: Callable, **jit_kwargs):
+        functools.update_wrapper(self, fn)
+        self._fn, self._jit_kwargs = fn, jit_kwargs
+        self._jitted = None
+        self._lock = threading.Lock()
+
+    def jitted(self):
+        """The `jax.jit` object with the options (made on the first use)."""
+        if self._jitted is None:
+            with self._lock:
+                if self._jitted is None:
+                    options = compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+                    self._jitted = jax.jit(self._fn, compiler_options=options or None,
+                                           **self._jit_kwargs)
+        return self._jitted
+
+    @functools.cached_property
+    def nested(self):
+        """The plain `jax.jit`, for calls inside another trace (`jax.jit`, `eval_shape`, ...):
+        JAX takes compile options on top-level programs only; an enclosing program compiles
+        with its own."""
+        return jax.jit(self._fn, **self._jit_kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+            return self.nested(*args, **kwargs)
+        try:
+            return self.jitted()(*args, **kwargs)
+        except ValueError as error:  # staged inside another trace with no traced argument
+            if "compiler_options" not in str(error):
+                raise
+            return self.nested(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted().lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self.jitted().trace(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        return self.jitted().eval_shape(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        """Programs compiled so far (the jitted function's in-memory cache; 0 before the first
+        use)."""
+        return 0 if self._jitted is None else self._jitted._cache_size()
+
+
+def program(fn: Callable | None = None, **jit_kwargs):
+    """`jax.jit` with specjax's compile options: `program(fn, static_argnames=...)`, or as a
+    decorator `@program(static_argnames=...)` / `@program`."""
+    if fn is None:
+        return functools.partial(program, **jit_kwargs)
+    return Program(fn, **jit_kwargs)

@@ -1,0 +1,55 @@
+"""specjax's programs compile with its XLA CPU options (`specjax.xla_options`)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from specjax import auto_costs, loop, refill, xla_options
+from specjax.measure import profile
+from specjax.xla_options import CPU_OPTIONS, Program, compile_options, program
+
+SCHEDULER = "xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def test_the_options_are_xla_cpus_and_a_users_xla_flags_win():
+    assert compile_options("cpu") == CPU_OPTIONS == {SCHEDULER: False}
+    assert compile_options("gpu") == {} and compile_options("tpu") == {}
+    assert compile_options("cpu", f"--xla_force_host_platform_device_count=8 --{SCHEDULER}=true") == {}
+    assert compile_options("cpu", "--xla_force_host_platform_device_count=8") == CPU_OPTIONS
+
+
+def test_a_program_compiles_with_the_options(monkeypatch):
+    """The options reach XLA: an invalid value fails the compile, naming the option."""
+    monkeypatch.setattr(xla_options, "CPU_OPTIONS", {SCHEDULER: "not-a-bool"})
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    bad = program(lambda x: x + 1)
+    with pytest.raises(Exception, match=SCHEDULER):
+        bad(jnp.ones(3))
+
+
+def test_a_program_behaves_as_its_jit():
+    @program(static_argnames=("n",), donate_argnames=("x",))
+    def scaled(x, n):
+        """Doubles n times."""
+        for _ in range(n):
+            x = x * 2
+        return x
+
+    assert scaled.__doc__ == "Doubles n times." and scaled._cache_size() == 0
+    assert float(scaled(jnp.ones(()), n=3)) == 8.0 and scaled._cache_size() == 1
+    assert float(scaled(jnp.ones(()), n=3)) == 8.0 and scaled._cache_size() == 1
+    assert float(scaled(jnp.ones(()), n=1)) == 2.0 and scaled._cache_size() == 2
+    assert "mul" in scaled.lower(jnp.ones(()), n=2).as_text()
+    assert jax.eval_shape(lambda x: scaled(x, n=1), jnp.ones((2,))).shape == (2,)
+    assert float(jax.jit(lambda x: scaled(x, n=2))(jnp.ones(()))) == 4.0  # inside another jit
+    assert float(jax.jit(lambda: scaled(jnp.ones(()), n=2))()) == 4.0  # ... on constants only
+    assert jax.vmap(lambda x: scaled(x, n=1))(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+    assert float(jax.grad(lambda x: scaled(x, n=2))(1.0)) == 4.0
+
+
+def test_the_decoding_and_profiling_programs_are_programs():
+    programs = [loop.generate_program, loop.spec_generate_program, loop.ar_start_program,
+                loop.ar_finish_program, loop.spec_start_program, loop.spec_finish_program,
+                refill.slots_program, refill.refill_program, auto_costs._forced_steps]
+    programs += [value for name, value in vars(profile).items() if isinstance(value, Program)]
+    assert all(isinstance(p, Program) for p in programs) and len(programs) > len(
+        [p for p in programs if p.__module__ != "specjax.measure.profile"])

@@ -33,7 +33,7 @@ from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.hub import cache_dir
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
-from specjax.xla_options import compile_options, program
+from specjax.xla_options import current_options, program
 
 #: what the branches do; files of another version are profiled again (2: model-based drafters'
 #: plain branch syncs instead of proposing, so it costs less)
@@ -55,10 +55,9 @@ def costs_folder() -> Path:
 def cost_key(target, drafter: AutoDrafter, batch_size: int) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
     config), the drafter, the branches and the batch size (JSON-able, compared whole on load)."""
-    device, backend = jax.devices()[0], jax.default_backend()
-    options = compile_options(backend, os.environ.get("XLA_FLAGS", ""))
-    return {"version": VERSION, "backend": backend, "device_kind": device.device_kind,
-            "compile_options": {name: str(value) for name, value in sorted(options.items())},
+    device = jax.devices()[0]
+    return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
+            "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
             "model": repr(target), "drafter": repr(drafter.inner), "lengths": list(drafter.lengths),
             "batch_size": int(batch_size)} | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})

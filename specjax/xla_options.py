@@ -40,6 +40,11 @@ def compile_options(backend: str, xla_flags: str = "") -> dict[str, Any]:
     return {name: value for name, value in CPU_OPTIONS.items() if name not in named}
 
 
+def current_options() -> dict[str, Any]:
+    """`compile_options` of this process: the default backend and its `XLA_FLAGS`."""
+    return compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+
+
 class Program:
     """`jax.jit(fn, **jit_kwargs)` compiled with `compile_options` of the default backend,
     decided at the first call (or `lower`); otherwise it behaves as the jitted function."""
@@ -55,8 +60,7 @@ class Program:
         if self._jitted is None:
             with self._lock:
                 if self._jitted is None:
-                    options = compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
-                    self._jitted = jax.jit(self._fn, compiler_options=options or None,
+                    self._jitted = jax.jit(self._fn, compiler_options=current_options() or None,
                                            **self._jit_kwargs)
         return self._jitted
 

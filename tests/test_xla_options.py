@@ -39,6 +39,8 @@ def test_a_program_behaves_as_its_jit():
     assert float(scaled(jnp.ones(()), n=3)) == 8.0 and scaled._cache_size() == 1
     assert float(scaled(jnp.ones(()), n=1)) == 2.0 and scaled._cache_size() == 2
     assert "mul" in scaled.lower(jnp.ones(()), n=2).as_text()
+    assert "mul" in scaled.trace(jnp.ones(()), n=2).lower().as_text()
+    assert scaled.eval_shape(jnp.ones((2,)), n=1).shape == (2,)
     assert jax.eval_shape(lambda x: scaled(x, n=1), jnp.ones((2,))).shape == (2,)
     assert float(jax.jit(lambda x: scaled(x, n=2))(jnp.ones(()))) == 4.0  # inside another jit
     assert float(jax.jit(lambda: scaled(jnp.ones(()), n=2))()) == 4.0  # ... on constants only
@@ -50,6 +52,5 @@ def test_the_decoding_and_profiling_programs_are_programs():
     programs = [loop.generate_program, loop.spec_generate_program, loop.ar_start_program,
                 loop.ar_finish_program, loop.spec_start_program, loop.spec_finish_program,
                 refill.slots_program, refill.refill_program, auto_costs._forced_steps]
-    programs += [value for name, value in vars(profile).items() if isinstance(value, Program)]
-    assert all(isinstance(p, Program) for p in programs) and len(programs) > len(
-        [p for p in programs if p.__module__ != "specjax.measure.profile"])
+    profilers = [value for value in vars(profile).values() if isinstance(value, Program)]
+    assert all(isinstance(p, Program) for p in programs) and len(profilers) == 6

@@ -12,6 +12,9 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
   4 ran 5-8 % slower a step than the static chain at B = 1 (median forced / static of 3
   processes 1.057). With the option off: 0.971, static steps no slower, compile times the
   same (`benchmarks/auto_overhead.py`; docs/measure_and_tune.md quotes the runs).
+- `xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`: with the first option alone,
+  auto forced onto a chain of 1 at B = 8 (the shape it picks there) still ran 10-20 % slower
+  a step than static D = 1; with this one too, 0.97-1.05, static steps no slower.
 
 Other backends get no options (these are XLA CPU's). The backend is read at a program's first
 call, not at import: `jax.distributed.initialize` must come before any use of a backend. A
@@ -28,7 +31,10 @@ from typing import Any
 import jax
 
 #: compile options of every Program on the CPU backend (see the module docstring)
-CPU_OPTIONS: dict[str, Any] = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+CPU_OPTIONS: dict[str, Any] = {
+    "xla_cpu_enable_concurrency_optimized_scheduler": False,
+    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+}
 
 
 def compile_options(backend: str, xla_flags: str = "") -> dict[str, Any]:

@@ -436,7 +436,9 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
     if content == "FOREIGN":
         content = json.dumps({"key": key | {"device_kind": "TPU v9"}, "step_s": [1.0] * 4})
     elif content == "OTHER_OPTIONS":  # profiled with programs compiled under other XLA options
-        assert key["compile_options"] == {"xla_cpu_enable_concurrency_optimized_scheduler": "False"}
+        assert key["compile_options"] == {
+            "xla_cpu_enable_concurrency_optimized_scheduler": "False",
+            "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         content = json.dumps({"key": key | {"compile_options": {}}, "step_s": [1.0] * 4})
     elif content == "MALFORMED":
         content = json.dumps({"key": key, "step_s": [1.0, -1.0]})

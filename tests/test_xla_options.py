@@ -8,21 +8,27 @@ from specjax.measure import profile
 from specjax.xla_options import CPU_OPTIONS, Program, compile_options, program
 
 SCHEDULER = "xla_cpu_enable_concurrency_optimized_scheduler"
+SCHEDULER_TYPE = "xla_cpu_scheduler_type"
 
 
 def test_the_options_are_xla_cpus_and_a_users_xla_flags_win():
-    assert compile_options("cpu") == CPU_OPTIONS == {SCHEDULER: False}
+    assert compile_options("cpu") == CPU_OPTIONS == {
+        SCHEDULER: False, SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
     assert compile_options("gpu") == {} and compile_options("tpu") == {}
-    assert compile_options("cpu", f"--xla_force_host_platform_device_count=8 --{SCHEDULER}=true") == {}
+    users = f"--xla_force_host_platform_device_count=8 --{SCHEDULER}=true"
+    assert compile_options("cpu", users) == {SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    assert compile_options("cpu", f"{users} --{SCHEDULER_TYPE}=CPU_SCHEDULER_TYPE_DEFAULT") == {}
     assert compile_options("cpu", "--xla_force_host_platform_device_count=8") == CPU_OPTIONS
 
 
-def test_a_program_compiles_with_the_options(monkeypatch):
+@pytest.mark.parametrize("name, bad_value", [(SCHEDULER, "not-a-bool"),
+                                              (SCHEDULER_TYPE, "CPU_SCHEDULER_TYPE_BOGUS")])
+def test_a_program_compiles_with_the_options(monkeypatch, name, bad_value):
     """The options reach XLA: an invalid value fails the compile, naming the option."""
-    monkeypatch.setattr(xla_options, "CPU_OPTIONS", {SCHEDULER: "not-a-bool"})
+    monkeypatch.setattr(xla_options, "CPU_OPTIONS", CPU_OPTIONS | {name: bad_value})
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     bad = program(lambda x: x + 1)
-    with pytest.raises(Exception, match=SCHEDULER):
+    with pytest.raises(Exception, match=name):
         bad(jnp.ones(3))
 
 

@@ -18,13 +18,16 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
 
 Other backends get no options (these are XLA CPU's). The backend is read at a program's first
 call, not at import: `jax.distributed.initialize` must come before any use of a backend. A
-setting the user made in `XLA_FLAGS` is kept (an option named there is not overridden).
+setting the user made in `XLA_FLAGS` is kept (an option named there is not overridden). An
+option this jaxlib's XLA does not have (XLA's options come and go between releases) is left
+out with a warning, once a process (`supported_options`), so no program fails for it.
 """
 from __future__ import annotations
 
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +50,30 @@ def compile_options(backend: str, xla_flags: str = "") -> dict[str, Any]:
 
 
 def current_options() -> dict[str, Any]:
-    """`compile_options` of this process: the default backend and its `XLA_FLAGS`."""
-    return compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+    """`compile_options` of this process (the default backend and its `XLA_FLAGS`) that this
+    jaxlib's XLA has (`supported_options`)."""
+    options = compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+    return supported_options(tuple(sorted(options.items(), key=lambda item: item[0])))
+
+
+@functools.cache
+def supported_options(options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """The (name, value) `options` this XLA knows, as a dict: each is tried once on a trivial
+    program; one XLA has no such option for is left out with a warning. Any other compile
+    error (a value the option does not take) is raised: it names the option."""
+    kept = {}
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(0).compile()
+        except jax.errors.JaxRuntimeError as error:
+            if "No such compile option" not in str(error):
+                raise
+            warnings.warn(f"XLA compile option {name} is not in this jaxlib "
+                          f"({jax.lib.__version__}); specjax's programs compile without it",
+                          stacklevel=3)
+            continue
+        kept[name] = value
+    return kept
 
 
 class Program:

@@ -32,6 +32,15 @@ def test_a_program_compiles_with_the_options(monkeypatch, name, bad_value):
         bad(jnp.ones(3))
 
 
+def test_an_option_this_xla_lacks_is_left_out_with_a_warning(monkeypatch):
+    """XLA's options come and go between jaxlib releases: one it lacks must not fail a program."""
+    monkeypatch.setattr(xla_options, "CPU_OPTIONS", CPU_OPTIONS | {"xla_cpu_no_such_option": True})
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.warns(UserWarning, match="xla_cpu_no_such_option is not in this jaxlib"):
+        assert xla_options.current_options() == CPU_OPTIONS
+    assert float(program(lambda x: x + 1)(jnp.ones(()))) == 2.0
+
+
 def test_a_program_behaves_as_its_jit():
     @program(static_argnames=("n",), donate_argnames=("x",))
     def scaled(x, n):

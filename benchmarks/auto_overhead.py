@@ -8,6 +8,11 @@ D priced far below a plain step, so every step picks D: the same steps inside au
 `lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
 seconds / steps, compile excluded) of each and their ratio, and checks that both emit the same
 tokens (docs/measure_and_tune.md quotes a run).
+
+`--num-draft 0`: auto's plain branch against plain decoding. `static` is then plain decoding
+(no drafter) and `forced` auto over (0, 1) with the plain step priced far below D = 1, so every
+step is auto's plain branch; ms per step is then decode seconds per new token of a row (both
+emit exactly `--max-new` tokens a row, one a step).
 """
 from __future__ import annotations
 
@@ -33,9 +38,11 @@ def main() -> None:
     args = ap.parse_args()
     model = load_model("smollm2-135m", dtype="float32")
     prompts = [[1 + (7 * i + j) % 500 for j in range(200)] for i in range(args.batch)]
-    forced = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, args.num_draft))
-    costs = AutoParams(None, jnp.asarray([1.0, 1e-3], jnp.float32))  # D: far cheaper than plain
-    modes = {"static": {"draft": "ngram", "num_draft": args.num_draft},
+    plain_only = args.num_draft == 0
+    forced = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, max(args.num_draft, 1)))
+    step_s = [1e-3, 1.0] if plain_only else [1.0, 1e-3]  # the forced shape: far the cheapest
+    costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
+    modes = {"static": {} if plain_only else {"draft": "ngram", "num_draft": args.num_draft},
              "forced": {"draft": (forced, costs)}}
     names = list(modes)
     ms: dict[str, list[float]] = {name: [] for name in names}
@@ -44,7 +51,7 @@ def main() -> None:
         for name in names[rep % 2:] + names[:rep % 2]:
             out = specjax.generate_ids(model.cfg, model.params, prompts, batch_size=args.batch,
                                        max_new_tokens=args.max_new, eos_ids=[], **modes[name])
-            steps = max(r.spec["steps"] for r in out)
+            steps = max(len(r.token_ids) if plain_only else r.spec["steps"] for r in out)
             tokens.setdefault(name, [r.token_ids for r in out])
             if rep:
                 ms[name].append(1e3 * job_stats(out).decode_s / steps)

@@ -8,8 +8,7 @@ excluded, branches timed in turns, the fastest turn of each), once per (device k
 drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
-with a warning: never an error. The device's copy speed (`copy_seconds_per_byte`: what a change
-of branch costs a byte of cache) is measured once a process. `costs_from_profile` reads the same costs from a
+with a warning: never an error. `costs_from_profile` reads the same costs from a
 `specjax profile` / `specjax tune` latency profile instead.
 """
 from __future__ import annotations
@@ -196,25 +195,6 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     return step_s
 
 
-COPY_BYTES = 64 << 20  # the buffer `copy_seconds_per_byte` times
-
-
-@functools.cache
-def copy_seconds_per_byte(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Seconds per byte of a buffer-sized copy on the default device (what a change of auto's
-    branch pays per byte of KV cache and drafter state): the fastest of `repeats` runs of a
-    program reading and writing `nbytes` (once a process, ~0.1 s)."""
-    buffer = jnp.zeros((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda x: x + 1.0)
-    jax.block_until_ready(copy(buffer))
-    fastest = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        jax.block_until_ready(copy(buffer))
-        fastest = min(fastest, time.perf_counter() - begin)
-    return fastest / nbytes
-
-
 def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...]) -> list[float]:
     """`[S]` step seconds from a latency profile's dict (`LatencyProfile.to_dict`, the
     "profile" of a `specjax tune` report) at `batch_size`: the measured whole step where it
@@ -249,5 +229,4 @@ def auto_drafter(target, params, drafter, drafter_params, batch_size: int,
         step_s = costs_from_profile(profile, batch_size, auto.lengths)
     else:
         step_s = step_costs(target, params, auto, drafter_params, batch_size, log)
-    return auto, AutoParams(inner=drafter_params, step_s=jnp.asarray(step_s, jnp.float32),
-                            copy_s_per_byte=jnp.float32(copy_seconds_per_byte()))
+    return auto, AutoParams(inner=drafter_params, step_s=jnp.asarray(step_s, jnp.float32))

@@ -364,7 +364,7 @@ def test_rows_keep_their_own_estimate_and_a_refilled_row_starts_from_the_jobs():
     job = updated_estimate(state.job[:, 0], reached.sum(0), hits.sum(0), 0.5, 0.9, 0.01)
     assert float(rows[0, 0]) > 0.5 > float(rows[1, 0]) and float(rows[2, 0]) == 0.5
     moved = state.replace(conditional=rows, job=state.job.at[:, 0].set(job))
-    new_rows = types.types.SimpleNamespace(tokens=jnp.zeros((2, 16), jnp.int32))  # the 2 new rows' decode
+    new_rows = types.SimpleNamespace(tokens=jnp.zeros((2, 16), jnp.int32))  # the 2 new rows' decode
     refilled = drafter.refill(params, moved, new_rows, None, jnp.asarray([1, 7]))  # 7: unused
     np.testing.assert_allclose(refilled.conditional[1], job)
     np.testing.assert_allclose(refilled.conditional[0], rows[0])
@@ -582,27 +582,6 @@ def test_the_pick_takes_a_tree_when_second_candidates_pay():
     assert int(jnp.argmax(drafter.predicted(params, weak_top, active)[0])) == 3
     no_second = weak_top.replace(siblings=jnp.zeros((2, 3, 1)))
     assert int(jnp.argmax(drafter.predicted(params, no_second, active)[0])) != 3
-
-
-def test_leaving_a_branch_pays_its_copy_over_the_horizon():
-    """Inside a branch's loop, another shape is charged the copy a change of branch costs,
-    spread over `switch_horizon` steps: a small predicted gain does not flip the shape, a large
-    one does; outside the loop (no current branch) the pick is the plain argmax."""
-    from specjax.drafters.auto import copied_bytes
-
-    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1), switch_horizon=4)
-    params = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.2]), copy_s_per_byte=1e-3)
-    state = drafter.init(params, 2, 16)
-    decode = types.SimpleNamespace(done=jnp.asarray([False, False]))
-    accepting = state.replace(conditional=jnp.full((2, 1), 0.3))  # D=1: 1.3 tokens / 1.2 s
-    assert int(drafter.pick(params, accepting, decode)[0]) == 1
-    assert int(drafter.pick(params, accepting, decode, current=0, switch_s=0.0)[0]) == 1
-    assert int(drafter.pick(params, accepting, decode, current=0, switch_s=1.0)[0]) == 0
-    assert int(drafter.pick(params, accepting, decode, current=1, switch_s=1.0)[0]) == 1
-    sure = state.replace(conditional=jnp.full((2, 1), 1.0))  # 2 tokens / (1.2 + 0.25) s
-    assert int(drafter.pick(params, sure, decode, current=0, switch_s=1.0)[0]) == 1
-    cache = {"k": jnp.zeros((2, 8), jnp.float32)}
-    assert copied_bytes(types.SimpleNamespace(cache=cache), {"t": jnp.zeros((3,), jnp.int32)}) == 76
 
 
 def test_the_profile_times_tree_branches_too():

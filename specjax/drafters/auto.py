@@ -94,13 +94,10 @@ def auto_lengths(group_size: int | None, max_draft: int = max(BASE_LENGTHS)) -> 
 @struct.dataclass
 class AutoParams:
     """inner: the inner drafter's params; step_s `[S]` f32: each branch's step seconds at this
-    batch size (dynamic: new costs never recompile); copy_s_per_byte `[]` f32: seconds to copy a
-    byte on this device (a change of branch copies the KV cache and the drafter's state; 0:
-    changes are free)."""
+    batch size (dynamic: new costs never recompile)."""
 
     inner: Any
     step_s: jax.Array
-    copy_s_per_byte: jax.Array | float = 0.0
 
 
 @struct.dataclass
@@ -127,8 +124,6 @@ class AutoDrafter(Drafter):
     decay: float = 0.9  # EMA weight kept per observation
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
-    #: steps a change of branch is expected to last: its copy is spread over this many steps
-    switch_horizon: int = 4
 
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
@@ -212,12 +207,10 @@ class AutoDrafter(Drafter):
 
     # ---- the step ----
 
-    def predicted(self, params: AutoParams, state: AutoState, active: jax.Array,
-                  extra_s: jax.Array | float = 0.0):
+    def predicted(self, params: AutoParams, state: AutoState, active: jax.Array):
         """(`[S]` predicted tokens/s of each branch, `[S]` its E[tokens per step] per active
         row) for the active rows `[B]`: the cost model of `specjax.costmodel`, each row's
-        E[tokens per step] from its own estimate; extra_s `[S]`: seconds added to each
-        branch's step (a change of branch's copy, spread over `switch_horizon` steps)."""
+        E[tokens per step] from its own estimate."""
 
         def row_tokens(conditional, siblings):  # [Dmax], [Dmax, R - 1] -> [S]
             per_step = chain_tokens_per_steps(conditional, self.lengths)
@@ -229,19 +222,11 @@ class AutoDrafter(Drafter):
         on = active.astype(jnp.float32)
         rows = jnp.sum(on)
         per_step = on @ jax.vmap(row_tokens)(state.conditional, state.siblings) / jnp.maximum(rows, 1.0)
-        return throughput(per_step, rows, params.step_s + extra_s), per_step
+        return throughput(per_step, rows, params.step_s), per_step
 
-    def pick(self, params: AutoParams, state: AutoState, decode: DecodeState,
-             current: int | None = None, switch_s: jax.Array | float = 0.0):
-        """(`[]` int32 the branch this step runs, `[S]` E[tokens per step] per active row).
-        current: the branch that ran the last step, inside its loop: leaving it costs
-        `switch_s` (the copy on entering another), charged to every other branch over
-        `switch_horizon` steps, so auto does not flip between two near-equal shapes."""
-        extra_s = 0.0
-        if current is not None:
-            others = jnp.arange(self.num_shapes) != current
-            extra_s = jnp.where(others, switch_s / self.switch_horizon, 0.0)
-        tokens_per_s, per_step = self.predicted(params, state, ~decode.done, extra_s)
+    def pick(self, params: AutoParams, state: AutoState, decode: DecodeState):
+        """(`[]` int32 the branch this step runs, `[S]` E[tokens per step] per active row)."""
+        tokens_per_s, per_step = self.predicted(params, state, ~decode.done)
         if self.rotate:
             return (decode.step % self.num_shapes).astype(jnp.int32), per_step
         return jnp.argmax(tokens_per_s).astype(jnp.int32), per_step
@@ -275,7 +260,6 @@ class AutoDrafter(Drafter):
         one = functools.partial(one, target, params, drafter_params.inner, sampling, criteria)
         update = functools.partial(updated_estimate, prior=self.prior, decay=self.decay,
                                    relax=self.relax)
-        switch_s = drafter_params.copy_s_per_byte * copied_bytes(state, drafter_state)
 
         def body(carry):
             state, auto_state, metrics, count, _, per_step = carry
@@ -288,7 +272,7 @@ class AutoDrafter(Drafter):
             auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],
                                    update(auto_state.job, reached.sum(0), hits.sum(0)))
             count = count + 1
-            next_index, per_step = self.pick(drafter_params, auto_state, state, index, switch_s)
+            next_index, per_step = self.pick(drafter_params, auto_state, state)  # the next step's
             if steps is not None:
                 go = count < steps
             else:
@@ -360,13 +344,6 @@ class AutoDrafter(Drafter):
         else:
             reached = hits = jnp.zeros((token.shape[0], self.tree.max_depth), jnp.float32)
         return state, inner_state, metrics, *self._ranked(reached, hits)
-
-
-def copied_bytes(state: DecodeState, drafter_state: AutoState) -> int:
-    """Bytes a change of branch copies: the KV cache and the drafter's state (each branch of
-    the switch writes its own copy of them, `AutoDrafter.switched_step`)."""
-    return sum(leaf.size * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves((state.cache, drafter_state)))
 
 
 def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_depth: int):

@@ -2,7 +2,7 @@
 split into its first call (compile + one run) and the timed turns, in a fresh process.
 
     python benchmarks/auto_profile_time.py --model smollm2-135m --draft ngram --batch-size 1 \
-        [--steps 2 --repeats 3 --budget-s 10]   # the old profile: --steps 4 --repeats 5 --budget-s 1e9
+        [--steps 4 --repeats 5 --budget-s 15]   # before 2026-12-03: --steps 2 --repeats 3 --budget-s 10
 
 Prints one JSON line: {"model", "draft", "batch_size", "steps", "repeats", "total_s",
 "first_call_s", "step_s"}. Run it with SPECJAX_COMPILE_CACHE=0 to time a first run.

@@ -596,6 +596,26 @@ def test_the_profile_times_tree_branches_too():
     assert key["trees"][0][0] == "kary_2x2x2"
 
 
+def test_the_profile_counts_each_branchs_fastest_turn(monkeypatch):
+    """Load only adds time: a turn slowed by a burst of other work is ignored, as is the median
+    (the clock is scripted: each forced call takes the next of its branch's durations)."""
+    cfg, params = model()
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1))
+    seconds = {0: [99.0, 8.0, 4.4, 40.0], 1: [12.0, 60.0, 6.0]}  # per call of 4 steps; 99: compile
+    clock = [0.0]
+
+    def forced(*args, steps):
+        clock[0] += seconds[int(args[5])].pop(0)
+
+    monkeypatch.setattr(auto_costs, "_forced_steps", forced)
+    monkeypatch.setattr(auto_costs, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    phases = {}
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, repeats=3,
+                                           budget_s=1e9, phases=phases)
+    assert step_s == pytest.approx([1.1, 1.5]) and phases["first_call_s"] == 99.0
+    assert seconds == {0: [], 1: []}
+
+
 def test_chain_costs_are_made_non_decreasing_in_the_draft_length():
     assert auto_costs.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert auto_costs.monotone([265.0, 292.0, 246.0, 354.0]) == pytest.approx([265.0, 269.0, 269.0, 354.0])

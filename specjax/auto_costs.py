@@ -4,8 +4,8 @@
 (`drafters.auto.AutoDrafter`) with `AutoParams.step_s`: the seconds of one whole step of each
 branch (the plain step and each chain length) at this batch size. They are measured by running
 the branches themselves, forced, on a running batch (`profile_step_costs`: compilation
-excluded, branches timed in turns, the fastest turn of each), once per (device kind, model, dtype, batch size,
-drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
+excluded, branches timed in turns, the fastest turn of each), once per (device kind, model,
+dtype, batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
 with a warning: never an error. `costs_from_profile` reads the same costs from a

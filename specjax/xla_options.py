@@ -53,7 +53,7 @@ def current_options() -> dict[str, Any]:
     """`compile_options` of this process (the default backend and its `XLA_FLAGS`) that this
     jaxlib's XLA has (`supported_options`)."""
     options = compile_options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
-    return supported_options(tuple(sorted(options.items(), key=lambda item: item[0])))
+    return supported_options(tuple(sorted(options.items())))
 
 
 @functools.cache

@@ -24,12 +24,15 @@ def test_the_options_are_xla_cpus_and_a_users_xla_flags_win():
 @pytest.mark.parametrize("name, bad_value", [(SCHEDULER, "not-a-bool"),
                                               (SCHEDULER_TYPE, "CPU_SCHEDULER_TYPE_BOGUS")])
 def test_a_program_compiles_with_the_options(monkeypatch, name, bad_value):
-    """The options reach XLA: an invalid value fails the compile, naming the option."""
+    """The options reach XLA: an invalid value fails the compile, naming the option, both in
+    the probe of `supported_options` and (the probe passing it on) in the program's own."""
     monkeypatch.setattr(xla_options, "CPU_OPTIONS", CPU_OPTIONS | {name: bad_value})
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    bad = program(lambda x: x + 1)
     with pytest.raises(Exception, match=name):
-        bad(jnp.ones(3))
+        program(lambda x: x + 1)(jnp.ones(3))
+    monkeypatch.setattr(xla_options, "supported_options", dict)  # no probe: the program's compile
+    with pytest.raises(Exception, match=name):
+        program(lambda x: x + 1)(jnp.ones(3))
 
 
 def test_an_option_this_xla_lacks_is_left_out_with_a_warning(monkeypatch):

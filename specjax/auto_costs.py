@@ -2,10 +2,11 @@
 
 `auto_drafter(target, params, drafter, drafter_params, batch_size)` wraps a drafter for auto
 (`drafters.auto.AutoDrafter`) with `AutoParams.step_s`: the seconds of one whole step of each
-branch (the plain step and each chain length) at this batch size. They are measured by running
-the branches themselves, forced, on a running batch (`profile_step_costs`: compilation
-excluded, branches timed in turns, the fastest turn of each), once per (device kind, model,
-dtype, batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
+branch (the plain step and each chain length) at this batch size, at two cache widths
+(`CONTEXTS`: a job is priced on the line through them at its program's width). They are
+measured by running the branches themselves, forced, on a running batch
+(`profile_step_costs`: compilation excluded, branches timed in turns, the fastest turn of
+each), once per (device kind, model, dtype, batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
 with a warning: never an error. `costs_from_profile` reads the same costs from a
@@ -36,9 +37,13 @@ from specjax.xla_options import current_options, program
 
 #: what the branches do and how they are timed; files of another version are profiled again
 #: (2: model-based drafters' plain branch syncs instead of proposing, so it costs less; 3: the
-#: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2)
-VERSION = 3
+#: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts)
+VERSION = 4
 CONTEXT = 64  # prompt tokens cached before the timed steps
+#: the contexts profiled: a step's cost grows with its program's cache width (attention, the
+#: cache writes), and not alike for every branch (B = 8 here: D=4 / D=0 1.89 at 64 tokens, 1.44
+#: at 1024), so a job is priced on the line through the two (`AutoParams.costs_at`)
+CONTEXTS = (CONTEXT, 512)
 STEPS = 4  # steps per timed call
 REPEATS = 5  # timed calls per branch (the fastest counts), at most
 BUDGET_S = 15.0  # after two turns over the branches, no further turn once the timed calls took this
@@ -54,12 +59,13 @@ def costs_folder() -> Path:
 
 def cost_key(target, drafter: AutoDrafter, batch_size: int) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
-    config), the drafter, the branches and the batch size (JSON-able, compared whole on load)."""
+    config), the drafter, the branches, the batch size and the profiled cache widths (JSON-able,
+    compared whole on load)."""
     device = jax.devices()[0]
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
             "model": repr(target), "drafter": repr(drafter.inner), "lengths": list(drafter.lengths),
-            "batch_size": int(batch_size)} | (
+            "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 
 
@@ -68,8 +74,9 @@ def cost_path(key: dict) -> Path:
     return costs_folder() / f"{digest}.json"
 
 
-def cached_costs(path: Path, key: dict) -> tuple[list[float] | None, str | None]:
-    """(step seconds, None) from a good file; (None, why not) otherwise (None: no file)."""
+def cached_costs(path: Path, key: dict) -> tuple[list[list[float]] | None, str | None]:
+    """(`[len(CONTEXTS)][S]` step seconds, None) from a good file; (None, why not) otherwise
+    (None: no file)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -81,13 +88,15 @@ def cached_costs(path: Path, key: dict) -> tuple[list[float] | None, str | None]
         return None, (f"made for another device or model ({found.get('device_kind', '?')}, "
                       f"batch {found.get('batch_size', '?')})" if isinstance(found, dict) else "foreign")
     step_s = data.get("step_s")
-    if (not isinstance(step_s, list) or len(step_s) != len(key["lengths"]) + len(key.get("trees", []))
-            or not all(isinstance(s, (int, float)) and s > 0 for s in step_s)):
+    shapes = len(key["lengths"]) + len(key.get("trees", []))
+    if (not isinstance(step_s, list) or len(step_s) != len(key["widths"])
+            or not all(isinstance(at, list) and len(at) == shapes for at in step_s)
+            or not all(isinstance(s, (int, float)) and s > 0 for at in step_s for s in at)):
         return None, "malformed step costs"
-    return [float(s) for s in step_s], None
+    return [[float(s) for s in at] for at in step_s], None
 
 
-def write_costs(path: Path, key: dict, step_s: list[float], seconds: float) -> None:
+def write_costs(path: Path, key: dict, step_s: list[list[float]], seconds: float) -> None:
     """Writes the file atomically (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -106,11 +115,18 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
                                  sampling, criteria, branch=branch, steps=steps)
 
 
+def profile_width(drafter: AutoDrafter, context: int, steps: int = STEPS) -> int:
+    """The cache width of the profile's program at `context` tokens: room for the timed steps
+    and the two calls before them at the drafter's widest draft."""
+    return context + (steps + 2) * (drafter.tree.num_nodes + 1)
+
+
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
                        context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
                        budget_s: float = BUDGET_S, phases: dict | None = None) -> list[float]:
     """`[S]` seconds of one step of each branch of `drafter` at `batch_size` rows with
-    `context` tokens cached (rows repeating a short motif, so drafters find matches).
+    `context` tokens cached (rows repeating a short motif, so drafters find matches), in a
+    program whose cache holds `profile_width` tokens.
 
     One program serves every branch (the branch index is an argument): it compiles once, on
     the first call. The branches are then timed in turns, `steps` steps per call, `repeats`
@@ -120,7 +136,7 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     median of 3 turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the
     plain step (pooled to equal), 56.9 ms each, where a quiet one measures 37.3 and 29.9.
     phases: when given, gets "first_call_s" (compile + one call) and "timed_s"."""
-    width = context + (steps + 2) * (drafter.tree.num_nodes + 1)
+    width = profile_width(drafter, context, steps)
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
     prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
     sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
@@ -170,29 +186,33 @@ def monotone(costs: list[float]) -> list[float]:
 
 
 def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int,
-               log: Callable[[str], None] = stderr_line) -> list[float]:
-    """`[S]` step seconds of the branches: the cached ones, else measured (and cached)."""
+               log: Callable[[str], None] = stderr_line) -> tuple[list[int], list[list[float]]]:
+    """(the profiled cache widths `[K]`, `[K][S]` the branches' step seconds at each): the
+    cached ones, else measured at each of `CONTEXTS` (and cached)."""
     key = cost_key(target, drafter, batch_size)
     path = cost_path(key)
     step_s, problem = cached_costs(path, key)
     if step_s is not None:
-        return step_s
+        return key["widths"], step_s
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
     log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
-        f"{batch_size} on {key['device_kind']} (once per device, model, dtype and batch size)")
+        f"{batch_size} on {key['device_kind']}, {' and '.join(map(str, CONTEXTS))} tokens cached "
+        "(once per device, model, dtype and batch size)")
     begin = time.perf_counter()
-    step_s = profile_step_costs(target, params, drafter, inner_params, batch_size)
+    step_s = [profile_step_costs(target, params, drafter, inner_params, batch_size, context=c)
+              for c in CONTEXTS]
     seconds = time.perf_counter() - begin
     names = [f"D={d}" for d in drafter.lengths] + [f"tree{i}" for i in range(len(drafter.trees))]
-    log(f"auto: profiled in {seconds:.1f} s (" + ", ".join(
-        f"{n}: {s * 1e3:.2f} ms" for n, s in zip(names, step_s)) + f"), kept in {path}")
+    log(f"auto: profiled in {seconds:.1f} s (" + "; ".join(
+        f"width {w}: " + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in zip(names, at))
+        for w, at in zip(key["widths"], step_s)) + f"), kept in {path}")
     try:
         write_costs(path, key, step_s, seconds)
     except OSError as err:
         warnings.warn(f"auto step costs not kept ({err})", stacklevel=2)
-    return step_s
+    return key["widths"], step_s
 
 
 def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...]) -> list[float]:
@@ -219,14 +239,16 @@ def auto_drafter(target, params, drafter, drafter_params, batch_size: int,
                  trees: tuple = ()):
     """(AutoDrafter, AutoParams) driving `drafter` at `batch_size` rows: its branches (the
     plain step, `auto_lengths` chains up to what the drafter can draft, `auto_max_draft`) and
-    their step costs (from `profile`, a latency profile dict, when given; else cached or
-    measured, `step_costs`). trees: draft trees auto may pick too (`AutoDrafter.trees`; their
+    their step costs (from `profile`, a latency profile dict, when given: at any width; else
+    cached or measured at two cache widths, `step_costs`). trees: draft trees auto may pick too (`AutoDrafter.trees`; their
     costs are measured: a latency profile holds chains only)."""
     cfg = getattr(target, "cfg", target)
     group = getattr(cfg, "group_size", None)
     auto = AutoDrafter.wrap(drafter, auto_lengths(group, auto_max_draft(drafter)), trees=trees)
     if profile is not None and not trees:
-        step_s = costs_from_profile(profile, batch_size, auto.lengths)
+        costs = AutoParams(drafter_params, jnp.asarray(costs_from_profile(profile, batch_size, auto.lengths),
+                                                       jnp.float32))
     else:
-        step_s = step_costs(target, params, auto, drafter_params, batch_size, log)
-    return auto, AutoParams(inner=drafter_params, step_s=jnp.asarray(step_s, jnp.float32))
+        widths, step_s = step_costs(target, params, auto, drafter_params, batch_size, log)
+        costs = AutoParams(drafter_params, jnp.asarray(step_s, jnp.float32), jnp.asarray(widths, jnp.float32))
+    return auto, costs

@@ -404,9 +404,9 @@ def fake_profiler(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     calls = []
 
-    def profile(target, params, drafter, inner_params, batch_size, **_):
-        calls.append(batch_size)
-        return [0.001 * (1 + d) for d in drafter.lengths]
+    def profile(target, params, drafter, inner_params, batch_size, *, context, **_):
+        calls.append((batch_size, context))
+        return [0.001 * (1 + d) * (1 + context / 1000) for d in drafter.lengths]
 
     monkeypatch.setattr(auto_costs, "profile_step_costs", profile)
     return calls
@@ -421,13 +421,17 @@ def costs_now(lines=None):
 def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
     lines = []
     first, drafter = costs_now(lines)
-    assert fake_profiler == [4] and any("profiling the step costs" in line for line in lines)
+    profiled = [(4, context) for context in auto_costs.CONTEXTS]
+    assert fake_profiler == profiled and any("profiling the step costs" in line for line in lines)
     second, _ = costs_now()
-    assert second == first and fake_profiler == [4]
+    assert second == first and fake_profiler == profiled
+    widths, step_s = first
+    assert widths == [auto_costs.profile_width(drafter, c) for c in auto_costs.CONTEXTS]
+    assert len(step_s) == len(widths) and all(len(at) == len(drafter.lengths) for at in step_s)
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"key": {}}), "",
-                                     "FOREIGN", "OTHER_OPTIONS", "MALFORMED"])
+                                     "FOREIGN", "OTHER_OPTIONS", "MALFORMED", "NEGATIVE"])
 def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content):
     _, drafter = costs_now()
     cfg, _ = model()
@@ -440,12 +444,14 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
             "xla_cpu_enable_concurrency_optimized_scheduler": "False",
             "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         content = json.dumps({"key": key | {"compile_options": {}}, "step_s": [1.0] * 4})
-    elif content == "MALFORMED":
-        content = json.dumps({"key": key, "step_s": [1.0, -1.0]})
+    elif content == "MALFORMED":  # a cost per branch, but one context only (version 3's layout)
+        content = json.dumps({"key": key, "step_s": [1.0] * 4})
+    elif content == "NEGATIVE":
+        content = json.dumps({"key": key, "step_s": [[1.0] * 4, [1.0, -1.0, 1.0, 1.0]]})
     path.write_text(content)
     with pytest.warns(UserWarning, match="profiling again"):
-        step_s, _ = costs_now()
-    assert fake_profiler == [4, 4] and len(step_s) == 4
+        (_, step_s), _ = costs_now()
+    assert fake_profiler == [(4, c) for c in auto_costs.CONTEXTS] * 2 and len(step_s[0]) == 4
     assert json.loads(path.read_text())["key"] == key
 
 
@@ -493,8 +499,31 @@ def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):
     cfg, params = model()
     out = generate_ids(cfg, params, PROMPTS, max_new_tokens=24, eos_ids=[], draft="ngram",
                        batch_size=2)
-    assert [r.token_ids for r in out] == plain() and fake_profiler == [2]
+    assert [r.token_ids for r in out] == plain() and fake_profiler == [(2, c) for c in auto_costs.CONTEXTS]
     assert histogram(out)
+
+
+def test_step_costs_follow_the_programs_cache_width():
+    """Costs profiled at two widths: on the line through them, at the narrow width's below it;
+    width-free costs are the same at every width."""
+    params = AutoParams(None, jnp.asarray([[1.0, 2.0], [3.0, 3.0]]), jnp.asarray([100.0, 500.0]))
+    assert params.costs_at(100).tolist() == [1.0, 2.0]
+    assert params.costs_at(300).tolist() == pytest.approx([2.0, 2.5])
+    assert params.costs_at(900).tolist() == pytest.approx([5.0, 4.0])  # extrapolated
+    assert params.costs_at(10).tolist() == [1.0, 2.0]
+    assert AutoParams(None, jnp.asarray([1.0, 2.0])).costs_at(900).tolist() == [1.0, 2.0]
+
+
+def test_the_pick_prices_branches_at_the_programs_width():
+    """A chain that pays on a narrow cache but not a wide one (its cost grows faster)."""
+    drafter, _ = auto("ngram")
+    params = AutoParams(None, jnp.asarray([[1.0, 1.2, 1.4, 1.6], [2.0, 4.0, 5.0, 6.0]]),
+                        jnp.asarray([100.0, 1000.0]))
+    state = drafter.init(params, 2, 8)
+    state = state.replace(conditional=jnp.full_like(state.conditional, 0.5))
+    active = jnp.asarray([True, True])
+    assert int(jnp.argmax(drafter.predicted(params, state, active, 100)[0])) > 0
+    assert int(jnp.argmax(drafter.predicted(params, state, active, 1000)[0])) == 0
 
 
 # ---- what the metrics and bench report -------------------------------------------------------------

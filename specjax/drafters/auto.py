@@ -28,8 +28,9 @@ so the copy is paid once per change of shape rather than once per step.
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
 running estimate of that row's conditional acceptance per depth, over the branch's measured
-step cost (`AutoParams.step_s`, from `specjax.auto_costs`). Greedy and sampled outputs stay
-exact: each branch is a lossless step, and the pick depends only on earlier steps.
+step cost at the program's cache width (`AutoParams.costs_at`, from `specjax.auto_costs`).
+Greedy and sampled outputs stay exact: each branch is a lossless step, and the pick depends
+only on earlier steps.
 
 The estimates are exponential moving averages, one update per observation: a row whose first
 j draft tokens were accepted observes depth j (accepted or not; an empty draft position counts
@@ -93,11 +94,24 @@ def auto_lengths(group_size: int | None, max_draft: int = max(BASE_LENGTHS)) -> 
 
 @struct.dataclass
 class AutoParams:
-    """inner: the inner drafter's params; step_s `[S]` f32: each branch's step seconds at this
-    batch size (dynamic: new costs never recompile)."""
+    """inner: the inner drafter's params; step_s f32: each branch's step seconds at this batch
+    size, `[S]` at any cache width, or `[2, S]` at the two cache widths `widths` `[2]` (a line
+    through them gives the cost at the program's width, `costs_at`). Dynamic: new costs never
+    recompile."""
 
     inner: Any
     step_s: jax.Array
+    widths: jax.Array | None = None
+
+    def costs_at(self, width: int) -> jax.Array:
+        """`[S]` each branch's step seconds in a program whose cache holds `width` tokens: on
+        the line through the two profiled widths, at the narrower one's cost below it (what a
+        step costs on top of its attention does not shrink with the cache)."""
+        if self.widths is None:
+            return self.step_s
+        (narrow, wide), (cost_narrow, cost_wide) = self.widths, self.step_s
+        slope = (cost_wide - cost_narrow) / jnp.maximum(wide - narrow, 1.0)
+        return cost_narrow + slope * jnp.maximum(width - narrow, 0.0)
 
 
 @struct.dataclass
@@ -207,10 +221,10 @@ class AutoDrafter(Drafter):
 
     # ---- the step ----
 
-    def predicted(self, params: AutoParams, state: AutoState, active: jax.Array):
+    def predicted(self, params: AutoParams, state: AutoState, active: jax.Array, width: int = 0):
         """(`[S]` predicted tokens/s of each branch, `[S]` its E[tokens per step] per active
-        row) for the active rows `[B]`: the cost model of `specjax.costmodel`, each row's
-        E[tokens per step] from its own estimate."""
+        row) for the active rows `[B]` of a program with a `width`-token cache: the cost model
+        of `specjax.costmodel`, each row's E[tokens per step] from its own estimate."""
 
         def row_tokens(conditional, siblings):  # [Dmax], [Dmax, R - 1] -> [S]
             per_step = chain_tokens_per_steps(conditional, self.lengths)
@@ -222,11 +236,11 @@ class AutoDrafter(Drafter):
         on = active.astype(jnp.float32)
         rows = jnp.sum(on)
         per_step = on @ jax.vmap(row_tokens)(state.conditional, state.siblings) / jnp.maximum(rows, 1.0)
-        return throughput(per_step, rows, params.step_s), per_step
+        return throughput(per_step, rows, params.costs_at(width)), per_step
 
     def pick(self, params: AutoParams, state: AutoState, decode: DecodeState):
         """(`[]` int32 the branch this step runs, `[S]` E[tokens per step] per active row)."""
-        tokens_per_s, per_step = self.predicted(params, state, ~decode.done)
+        tokens_per_s, per_step = self.predicted(params, state, ~decode.done, decode.tokens.shape[1])
         if self.rotate:
             return (decode.step % self.num_shapes).astype(jnp.int32), per_step
         return jnp.argmax(tokens_per_s).astype(jnp.int32), per_step
@@ -266,7 +280,7 @@ class AutoDrafter(Drafter):
             active = ~state.done
             state, inner, metrics, reached, hits = one(state, auto_state.inner, metrics)
             metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
-                                           drafter_params.step_s[index])
+                                           drafter_params.costs_at(state.tokens.shape[1])[index])
             rows = update(jnp.concatenate([auto_state.conditional[..., None], auto_state.siblings],
                                           -1), reached, hits)
             auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],

@@ -4,8 +4,11 @@ split into its first call (compile + one run) and the timed turns, in a fresh pr
     python benchmarks/auto_profile_time.py --model smollm2-135m --draft ngram --batch-size 1 \
         [--steps 4 --repeats 5 --budget-s 15]   # before 2026-12-03: --steps 2 --repeats 3 --budget-s 10
 
-Prints one JSON line: {"model", "draft", "batch_size", "steps", "repeats", "total_s",
-"first_call_s", "step_s"}. Run it with SPECJAX_COMPILE_CACHE=0 to time a first run.
+Prints one JSON line: {"model", "draft", "batch_size", "lengths", "steps", "repeats", "total_s",
+"contexts": [{"context", "width", "total_s", "first_call_s", "timed_s", "step_ms"}]} (auto
+profiles at each of `auto_costs.CONTEXTS`; `--contexts 64 512 1024` also checks how well the
+line through the first two predicts a third). Run it with SPECJAX_COMPILE_CACHE=0 to time a
+first run.
 """
 from __future__ import annotations
 
@@ -28,23 +31,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=auto_costs.STEPS)
     p.add_argument("--repeats", type=int, default=auto_costs.REPEATS)
     p.add_argument("--budget-s", type=float, default=auto_costs.BUDGET_S)
+    p.add_argument("--contexts", type=int, nargs="+", default=list(auto_costs.CONTEXTS),
+                   help="cached tokens of each profile (auto profiles each of these)")
     args = p.parse_args()
     model = load_model(args.model, dtype="float32")
     inner, inner_params = make_drafter(args.draft, tree=chain(8), target=model, auto=True)
     drafter = AutoDrafter.wrap(inner, auto_lengths(model.cfg.group_size, auto_max_draft(inner)))
-    phases: dict = {}
+    rows = []
     begin = time.perf_counter()
-    step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
-                                           args.batch_size, steps=args.steps,
-                                           repeats=args.repeats, budget_s=args.budget_s,
-                                           phases=phases)
+    for context in args.contexts:
+        phases: dict = {}
+        start = time.perf_counter()
+        step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
+                                               args.batch_size, context=context, steps=args.steps,
+                                               repeats=args.repeats, budget_s=args.budget_s,
+                                               phases=phases)
+        rows.append({"context": context, "width": auto_costs.profile_width(drafter, context, args.steps),
+                     "total_s": round(time.perf_counter() - start, 1),
+                     "first_call_s": round(phases.get("first_call_s", 0.0), 1),
+                     "timed_s": round(phases.get("timed_s", 0.0), 1),
+                     "step_ms": [round(s * 1e3, 2) for s in step_s]})
     total = time.perf_counter() - begin
     print(json.dumps({"model": args.model, "draft": args.draft, "batch_size": args.batch_size,
-                      "steps": args.steps, "repeats": args.repeats, "total_s": round(total, 1),
-                      "first_call_s": round(phases.get("first_call_s", 0.0), 1),
-                      "timed_s": round(phases.get("timed_s", 0.0), 1),
-                      "step_s": [round(s * 1e3, 2) for s in step_s]}))
-
+                      "lengths": list(drafter.lengths), "steps": args.steps, "repeats": args.repeats,
+                      "total_s": round(total, 1), "contexts": rows}))
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,8 @@ split into its first call (compile + one run) and the timed turns, in a fresh pr
         [--steps 4 --repeats 5 --budget-s 15]   # before 2026-12-03: --steps 2 --repeats 3 --budget-s 10
 
 Prints one JSON line: {"model", "draft", "batch_size", "lengths", "steps", "repeats", "total_s",
-"contexts": [{"context", "width", "total_s", "first_call_s", "timed_s", "step_ms"}]} (auto
+"contexts": [{"context", "width", "total_s", "first_call_s", "timed_s", "step_ms", "call_ms"}]}
+(call_ms: a profile call's cost besides its steps, which the step costs leave out; auto
 profiles at each of `auto_costs.CONTEXTS`; `--contexts 64 512 1024` also checks how well the
 line through the first two predicts a third). Run it with SPECJAX_COMPILE_CACHE=0 to time a
 first run.
@@ -50,7 +51,8 @@ def main() -> None:
                      "total_s": round(time.perf_counter() - start, 1),
                      "first_call_s": round(phases.get("first_call_s", 0.0), 1),
                      "timed_s": round(phases.get("timed_s", 0.0), 1),
-                     "step_ms": [round(s * 1e3, 2) for s in step_s]})
+                     "step_ms": [round(s * 1e3, 2) for s in step_s],
+                     "call_ms": round(phases.get("call_s", 0.0) * 1e3, 2)})
     total = time.perf_counter() - begin
     print(json.dumps({"model": args.model, "draft": args.draft, "batch_size": args.batch_size,
                       "lengths": list(drafter.lengths), "steps": args.steps, "repeats": args.repeats,

@@ -37,16 +37,18 @@ from specjax.xla_options import current_options, program
 
 #: what the branches do and how they are timed; files of another version are profiled again
 #: (2: model-based drafters' plain branch syncs instead of proposing, so it costs less; 3: the
-#: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts)
+#: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts, a
+#: call's own cost, from calls of 1 and 4 steps, left out)
 VERSION = 4
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
-#: cache writes), and not alike for every branch (B = 8 here: D=4 / D=0 1.89 at 64 tokens, 1.44
-#: at 1024), so a job is priced on the line through the two (`AutoParams.costs_at`)
-CONTEXTS = (CONTEXT, 512)
-STEPS = 4  # steps per timed call
-REPEATS = 5  # timed calls per branch (the fastest counts), at most
-BUDGET_S = 15.0  # after two turns over the branches, no further turn once the timed calls took this
+#: cache writes), and not alike for every branch (SmolLM2, B = 8 here: D=4 / D=0 2.0 at 64
+#: tokens, 1.7 at 1024), so a job is priced on the line through the two (`AutoParams.costs_at`;
+#: Spec-Bench rows run at up to ~1100 entries: mostly inside the line, not past it)
+CONTEXTS = (CONTEXT, 1024)
+STEPS = 4  # steps of the long timed call (the short one takes 1)
+REPEATS = 5  # turns at most (each branch's fastest call of each length counts)
+BUDGET_S = 10.0  # after two turns over the branches, no further turn once the timed calls took this
 
 
 def stderr_line(message: str) -> None:
@@ -105,11 +107,11 @@ def write_costs(path: Path, key: dict, step_s: list[list[float]], seconds: float
     os.replace(tmp, path)
 
 
-@functools.partial(program, static_argnames=("target", "drafter", "steps"))
+@functools.partial(program, static_argnames=("target", "drafter"))
 def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
-                  criteria, *, steps: int):
-    """`steps` steps of one branch `[]` from `spec_start`'s (state, drafter state, metrics),
-    inside the branch as a running job takes them (one switch per change of shape)."""
+                  criteria, steps):
+    """`steps` `[]` steps of one branch `[]` from `spec_start`'s (state, drafter state,
+    metrics), inside the branch as a running job takes them (one switch per change of shape)."""
     state, drafter_state, metrics = started
     return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
                                  sampling, criteria, branch=branch, steps=steps)
@@ -128,14 +130,24 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     `context` tokens cached (rows repeating a short motif, so drafters find matches), in a
     program whose cache holds `profile_width` tokens.
 
-    One program serves every branch (the branch index is an argument): it compiles once, on
-    the first call. The branches are then timed in turns, `steps` steps per call, `repeats`
-    turns at most; past two turns, none starts once the timed calls took `budget_s`. Each
-    branch's fastest turn counts: other work on the machine only ever adds time, and a cost
-    profiled during a burst of it would steer every later job (the file is kept). With the
-    median of 3 turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the
-    plain step (pooled to equal), 56.9 ms each, where a quiet one measures 37.3 and 29.9.
-    phases: when given, gets "first_call_s" (compile + one call) and "timed_s"."""
+    One program serves every branch and step count (both are arguments): it compiles once, on
+    the first call. The branches are then timed in turns, each turn a call of 1 step and one
+    of `steps` steps per branch, `repeats` turns at most; past two turns, none starts once the
+    timed calls took `budget_s`. What a call costs besides its steps (the dispatch, fresh
+    buffers for the whole state out, the switch's copies) is no cost of a job's steps, which
+    run inside one program call: at B = 8 and 1024 cached tokens it was ~65-95 ms a call
+    against ~45 ms a plain step, so t(4) / 4 priced every branch ~20 ms high and their ratios
+    close to 1. It is the same for every branch (the same state goes in and out), so it is
+    taken once, the median over the branches of the intercept of the line through each
+    branch's two calls, and a branch's step cost is (t(steps) - that) / steps (the slope of
+    one branch's two calls alone swung by 20 % between profiles;
+    `benchmarks/auto_profile_time.py` prints both). Fastest times, because other work on the machine only ever adds time and a cost profiled
+    during a burst of it would steer every later job (the file is kept): with the median of 3
+    turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the plain step.
+    phases: when given, gets "first_call_s" (compile + one call), "timed_s" and "call_s" (a
+    call's cost besides its steps)."""
+    if steps < 2:
+        raise ValueError(f"the profile needs calls of 1 and of steps >= 2 steps, got steps={steps}")
     width = profile_width(drafter, context, steps)
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
     prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
@@ -145,29 +157,35 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
         target, params, drafter, params_, prompt, jnp.full((batch_size,), context, jnp.int32),
         jnp.full((batch_size,), width, jnp.int32), as_target(target).init_cache(batch_size, width),
         jax.random.PRNGKey(3), sampling, criteria, drafter.init_carry(params_), width=width)
-    started = start()
+    started = jax.block_until_ready(start())
     looped = drafter.loop_params(params_)  # as the decoding programs' loops read them
-    run = lambda b: jax.block_until_ready(_forced_steps(
-        target, params, drafter, looped, started, jnp.int32(b), sampling, criteria, steps=steps))
+    run = lambda b, n: jax.block_until_ready(_forced_steps(
+        target, params, drafter, looped, started, jnp.int32(b), sampling, criteria, jnp.int32(n)))
     first = time.perf_counter()
-    run(0)  # compiles (one program for every branch)
+    run(0, 1)  # compiles (one program for every branch and step count)
     first = time.perf_counter() - first
-    times: list[list[float]] = [[] for _ in range(drafter.num_shapes)]
+    times = {n: [[] for _ in range(drafter.num_shapes)] for n in (1, steps)}
     timed = 0.0
     for turn in range(repeats):
         if turn >= 2 and timed >= budget_s:
             break
         for b in range(drafter.num_shapes):
-            begin = time.perf_counter()
-            run(b)
-            elapsed = time.perf_counter() - begin
-            timed += elapsed
-            times[b].append(elapsed / steps)
+            for n in (1, steps):
+                begin = time.perf_counter()
+                run(b, n)
+                elapsed = time.perf_counter() - begin
+                timed += elapsed
+                times[n][b].append(elapsed)
+    short, long = ([min(t) for t in times[n]] for n in (1, steps))
+    # what a call costs besides its steps: from each branch, t(1) - (t(steps) - t(1)) /
+    # (steps - 1); the same for every branch (the same state in and out), so their median
+    call_s = float(np.median([max(0.0, (steps * t_short - t_long) / (steps - 1))
+                              for t_short, t_long in zip(short, long)]))
+    step_s = [max(t_long - call_s, 0.05 * t_long) / steps for t_long in long]
     if phases is not None:
-        phases.update(first_call_s=first, timed_s=timed)
-    fastest = [min(t) for t in times]
+        phases.update(first_call_s=first, timed_s=timed, call_s=call_s)
     chains = len(drafter.lengths)
-    return monotone(fastest[:chains]) + fastest[chains:]
+    return monotone(step_s[:chains]) + step_s[chains:]
 
 
 def monotone(costs: list[float]) -> list[float]:

@@ -619,30 +619,45 @@ def test_the_profile_times_tree_branches_too():
     cfg, params = model()
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 3), trees=(load_tree("kary_2x2x2"),))
     phases = {}
-    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=1, repeats=1, phases=phases)
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=2, repeats=1, phases=phases)
     assert len(step_s) == 3 and all(s > 0 for s in step_s) and phases["first_call_s"] > 0
     key = auto_costs.cost_key(cfg, drafter, 2)
     assert key["trees"][0][0] == "kary_2x2x2"
 
 
 def test_the_profile_counts_each_branchs_fastest_turn(monkeypatch):
-    """Load only adds time: a turn slowed by a burst of other work is ignored, as is the median
-    (the clock is scripted: each forced call takes the next of its branch's durations)."""
+    """What a call costs besides its steps is left out (from each branch's fastest calls of 1
+    and 4 steps, the median over branches), and a turn slowed by a burst of other work is
+    ignored, as is the median (the clock is scripted: a call of n steps of branch b takes the
+    next of b's (overhead, per-step) pairs, overhead + n x per-step)."""
     cfg, params = model()
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1))
-    seconds = {0: [99.0, 8.0, 4.4, 40.0], 1: [12.0, 60.0, 6.0]}  # per call of 4 steps; 99: compile
+    # per turn: the call of 1 step, then the one of 4; branch 0 costs 1.0 a step, branch 1
+    # 1.5, each call 5 more; turn 2 of branch 0 is loaded (x3), turn 3 of branch 1's long one
+    calls = {0: [(5, 1.0)] * 2 + [(15, 3.0)] * 2 + [(5, 1.0)] * 2,
+             1: [(5, 1.5)] * 2 + [(5, 1.5)] * 2 + [(5, 1.5), (8, 9.0)]}
     clock = [0.0]
+    compiled = []
 
-    def forced(*args, steps):
-        clock[0] += seconds[int(args[5])].pop(0)
+    def forced(*args):
+        branch, steps = int(args[5]), int(args[-1])
+        if not compiled:  # the first call compiles
+            compiled.append(steps)
+            clock[0] += 99.0
+            return
+        overhead, per_step = calls[branch].pop(0)
+        clock[0] += overhead + steps * per_step
 
     monkeypatch.setattr(auto_costs, "_forced_steps", forced)
     monkeypatch.setattr(auto_costs, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     phases = {}
     step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, repeats=3,
                                            budget_s=1e9, phases=phases)
-    assert step_s == pytest.approx([1.1, 1.5]) and phases["first_call_s"] == 99.0
-    assert seconds == {0: [], 1: []}
+    assert step_s == pytest.approx([1.0, 1.5]) and phases["first_call_s"] == 99.0
+    assert phases["call_s"] == pytest.approx(5.0)
+    assert calls == {0: [], 1: []}
+    with pytest.raises(ValueError, match="steps >= 2"):
+        auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=1)
 
 
 def test_chain_costs_are_made_non_decreasing_in_the_draft_length():

@@ -3,8 +3,8 @@
 `AutoDrafter` wraps a drafter whose state does not depend on its draft tree
 (`Drafter.shape_free_state`: n-gram, suffix, a draft model, layerskip and every learned head,
 EAGLE-3, MTP, Medusa, DFlash, DSpark; not the measurement drafter `forced`). Its step (`switched_step`, which `loop.spec_step`
-runs for it) is ONE `lax.switch` over a few chain lengths `lengths` (0 = a plain decoding
-step), every branch the whole step of that shape on the same operands:
+runs for it) runs one of a few chain lengths `lengths` (0 = a plain decoding step), every
+branch the whole step of that shape on the same operands:
 
 - D > 0: `loop.fixed_spec_step` of the inner drafter re-shaped to a chain of D (the state is
   the same pytree for every D, so each branch reads and writes it as it is);
@@ -21,9 +21,10 @@ step), every branch the whole step of that shape on the same operands:
 The candidate chain lengths are those the drafter can produce: `auto_lengths` up to
 `auto_max_draft(drafter)` (a Medusa head: its head count, DFlash / DSpark: block_size - 1).
 
-The picked branch keeps stepping, in its own `while_loop`, while it stays the pick and no row
-ends: XLA gives each branch of a switch its own copy of what it writes in place (the KV cache),
-so the copy is paid once per change of shape rather than once per step.
+The branches are a chain of `while_loop`s, one per shape: the picked branch keeps stepping in
+its own loop while it stays the pick and no row ends. Not a `lax.switch`: XLA gives each
+branch of a conditional its own copy of what it writes in place (the whole KV cache, in and
+out, at every change of shape), while the loops carry it in place.
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
@@ -251,53 +252,50 @@ class AutoDrafter(Drafter):
         """`loop.spec_step` for auto -> (state, drafter state, metrics), the estimates and the
         shape metrics updated after every step.
 
-        The picked branch runs its shape's steps in its own `while_loop` for as long as the
-        pick stays on it, no row ends (the caller may refill the slot) and some row runs: one
-        call is one step or more, each picked exactly as a call per step would pick it. A
-        branch of a `lax.switch` that writes an operand in place gets its own copy of it (XLA
-        copy insertion, jaxlib 0.10.2: the whole KV cache and the drafter's state), so this
-        pays that copy once per change of shape instead of once per step
-        (`benchmarks/switch_copies.py`). `branch` `[]` (profiling): that branch for exactly
-        `steps` steps."""
-        index = branch if branch is not None else self.pick(drafter_params, drafter_state, state)[0]
-        branches = [functools.partial(self._run, i, target, params, drafter_params, sampling,
-                                      criteria, None if branch is None else steps)
-                    for i in range(self.num_shapes)]
-        return jax.lax.switch(index, branches, state, drafter_state, metrics)
-
-    def _run(self, index: int, target, params, drafter_params: AutoParams, sampling, criteria,
-             steps: int | None, state: DecodeState, drafter_state: AutoState, metrics):
-        """Steps of branch `index` while it stays the pick and no row ends (steps: exactly
-        that many instead)."""
-        one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
-               else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
-        one = functools.partial(one, target, params, drafter_params.inner, sampling, criteria)
+        The branches are a chain of `while_loop`s, one per shape, run one after the other:
+        branch i's loop steps while i is the pick, no row has ended (the caller may refill the
+        slot) and some row runs. One call is one step or more, each picked exactly as a call
+        per step would pick it; a pick of an earlier branch waits for the next call. A chain
+        of loops rather than a `lax.switch`: XLA gives each branch of a conditional its own
+        copy of what it writes in place (jaxlib 0.10.2, copy insertion: the whole KV cache and
+        the drafter's state, in and out again, at every entry; `benchmarks/switch_copies.py`),
+        while a loop carries its buffers in place. `branch` `[]` (profiling): that branch for
+        exactly `steps` `[]` steps."""
         update = functools.partial(updated_estimate, prior=self.prior, decay=self.decay,
                                    relax=self.relax)
+        width = state.tokens.shape[1]
 
-        def body(carry):
-            state, auto_state, metrics, count, _, per_step = carry
+        def body(index: int, carry):
+            state, auto_state, metrics, count, _, per_step, _ = carry
+            one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
+                   else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
             active = ~state.done
-            state, inner, metrics, reached, hits = one(state, auto_state.inner, metrics)
+            state, inner, metrics, reached, hits = one(target, params, drafter_params.inner, sampling,
+                                                       criteria, state, auto_state.inner, metrics)
             metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
-                                           drafter_params.costs_at(state.tokens.shape[1])[index])
+                                           drafter_params.costs_at(width)[index])
             rows = update(jnp.concatenate([auto_state.conditional[..., None], auto_state.siblings],
                                           -1), reached, hits)
             auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],
                                    update(auto_state.job, reached.sum(0), hits.sum(0)))
             count = count + 1
             next_index, per_step = self.pick(drafter_params, auto_state, state)  # the next step's
-            if steps is not None:
-                go = count < steps
+            if branch is not None:
+                go, next_index = count < steps, branch
             else:
                 ended = jnp.any(active & state.done)  # a row ended: its slot may be refilled
-                go = (next_index == index) & ~ended & jnp.any(~state.done)
-            return state, auto_state, metrics, count, go, per_step
+                go = ~ended & jnp.any(~state.done)
+            return state, auto_state, metrics, count, go, per_step, next_index
 
-        carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), jnp.asarray(True),
-                 self.pick(drafter_params, drafter_state, state)[1])
-        state, drafter_state, metrics, *_ = jax.lax.while_loop(lambda c: c[4], body, carry)
-        return state, drafter_state, metrics
+        index, per_step = self.pick(drafter_params, drafter_state, state)
+        if branch is not None:
+            index = jnp.asarray(branch, jnp.int32)
+        go = jnp.asarray(True) if branch is None else steps > 0
+        carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), go, per_step, index)
+        for i in range(self.num_shapes):
+            carry = jax.lax.while_loop(lambda c, i=i: c[4] & (c[6] == i),
+                                       functools.partial(body, i), carry)
+        return carry[:3]
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):

@@ -1,9 +1,10 @@
 """Does a `lax.switch` whose branches update a large buffer in place copy it every step?
 
-auto (`drafters.auto`) runs each decoding step as ONE `lax.switch` over draft shapes, every
+auto (`drafters.auto`) ran its draft shapes as the branches of ONE `lax.switch` until
+2026-12-03 (now a chain of per-shape `while_loop`s, for what this script measures), every
 branch writing the KV cache (and the drafter's state) in place. On jaxlib 0.10.2 (XLA CPU)
 copy insertion gives every branch a copy of each such operand: the whole KV cache is copied
-once per step, a cost that grows with batch and context (at B = 1 on SmolLM2 it is inside the
+at every entry to the switch, a cost that grows with batch and context (at B = 1 on SmolLM2 it is inside the
 noise of a 2-core machine; at B = 8 and 1024 entries it is ~380 MB a step). XLA changed conditional copy elision in openxla/xla#46314
 (jaxlib 0.11.1); this script shows whether the jaxlib at hand still copies.
 

@@ -111,7 +111,7 @@ def write_costs(path: Path, key: dict, step_s: list[list[float]], seconds: float
 def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
                   criteria, steps):
     """`steps` `[]` steps of one branch `[]` from `spec_start`'s (state, drafter state,
-    metrics), inside the branch as a running job takes them (one switch per change of shape)."""
+    metrics), inside the branch's loop as a running job takes them."""
     state, drafter_state, metrics = started
     return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
                                  sampling, criteria, branch=branch, steps=steps)
@@ -134,7 +134,7 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     the first call. The branches are then timed in turns, each turn a call of 1 step and one
     of `steps` steps per branch, `repeats` turns at most; past two turns, none starts once the
     timed calls took `budget_s`. What a call costs besides its steps (the dispatch, fresh
-    buffers for the whole state out, the switch's copies) is no cost of a job's steps, which
+    buffers for the whole state out) is no cost of a job's steps, which
     run inside one program call: at B = 8 and 1024 cached tokens it was ~65-95 ms a call
     against ~45 ms a plain step, so t(4) / 4 priced every branch ~20 ms high and their ratios
     close to 1. It is the same for every branch (the same state goes in and out), so it is

@@ -306,8 +306,9 @@ def spec_step(
     Returns (state, drafter_state, metrics). Shapes never change; per-row lengths advance by
     accepted + 1 (less where EOS / stop / max_new_tokens cuts the block). A drafter that picks
     its draft shape every step (`num_draft="auto"`, `drafters.auto.AutoDrafter`) runs its own
-    `switched_step`: one `lax.switch` over `fixed_spec_step`s of a few shapes and a plain step
-    (one step or more per call: a branch keeps stepping while it stays the pick and no row ends).
+    `switched_step`: a chain of per-shape `while_loop`s over `fixed_spec_step`s of a few shapes
+    and a plain step (one step or more per call: a branch keeps stepping while it stays the pick
+    and no row ends).
     """
     switched_step = getattr(drafter, "switched_step", None)
     if switched_step is not None:

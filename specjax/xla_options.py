@@ -7,8 +7,7 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
 
 - `xla_cpu_enable_concurrency_optimized_scheduler=False`: XLA CPU's default HLO schedule
   (jaxlib 0.10.2) orders a program for concurrency; in a step nested one `while_loop` deeper
-  than a static step (`num_draft="auto"` keeps a picked shape stepping in its own loop inside
-  the `lax.switch`) it left the pool threads idle between kernels: auto forced onto a chain of
+  than a static step (`num_draft="auto"` keeps a picked shape stepping in its own loop) it left the pool threads idle between kernels: auto forced onto a chain of
   4 ran 5-8 % slower a step than the static chain at B = 1 (median forced / static of 3
   processes 1.057). With the option off: 0.971, static steps no slower, compile times the
   same (`benchmarks/auto_overhead.py`; docs/measure_and_tune.md quotes the runs).

@@ -16,12 +16,16 @@ step costs are profiled once per batch size, before the timed runs, or read from
 `times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
 auto / plain and auto / the cell's best static D, auto's shape histogram and its predicted
-tokens/s. Targets (issue 15): auto >= 0.97 x plain in every cell, >= 0.95 x the best static D,
+tokens/s. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those
+`AutoDrafter` fields changed (an A/B of auto's own settings in the same run, e.g.
+`ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x plain in every cell, >= 0.95 x the best static D,
 and at B = 1 overall, auto above the best single static D.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 from specjax.api import generate_ids
+from specjax.drafters.auto import AutoDrafter
 from specjax.metrics import job_summary
 from specjax.models.hub import load_model
 from specjax.timing import job_stats
@@ -47,28 +52,55 @@ def category_prompts(tokenizer, path: str, max_prompt: int) -> dict[str, list[li
     return out
 
 
-def modes(draft: str, static=STATIC) -> dict[str, dict]:
-    """{mode name: generate_ids draft options}."""
+def modes(draft: str, static=STATIC, variants: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{mode name: generate_ids draft options (and "auto_fields": a variant's AutoDrafter fields)}."""
     return {"plain": {}, "auto": {"draft": draft}} | {
+        name: {"draft": draft, "auto_fields": fields} for name, fields in (variants or {}).items()} | {
         f"D={d}": {"draft": draft, "num_draft": d} for d in static}
+
+
+def parse_variants(items: list[str]) -> dict[str, dict]:
+    """["ema:prior_weight=1e9,decay=0.8"] -> {"ema": {"prior_weight": 1e9, "decay": 0.8}}."""
+    out = {}
+    for item in items:
+        name, _, fields = item.partition(":")
+        out[name] = {k: float(v) for k, _, v in (f.partition("=") for f in fields.split(",") if f)}
+        unknown = set(out[name]) - {f.name for f in dataclasses.fields(AutoDrafter)}
+        if unknown:
+            raise SystemExit(f"--auto-variants {item}: AutoDrafter has no field {sorted(unknown)}")
+    return out
+
+
+@contextlib.contextmanager
+def auto_fields(fields: dict):
+    """AutoDrafter.wrap with `fields` set, inside the block (the API wraps the drafter itself)."""
+    wrap = AutoDrafter.wrap.__func__
+    AutoDrafter.wrap = classmethod(lambda cls, *a, **o: wrap(cls, *a, **(fields | o)))
+    try:
+        yield
+    finally:
+        AutoDrafter.wrap = classmethod(wrap)
 
 
 def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, list]:
     """(tokens/s over the programs' run seconds, compile excluded; the results)."""
-    out = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
-                       batch_size=batch_size, **options)
+    options = dict(options)
+    with auto_fields(options.pop("auto_fields", {})):
+        out = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
+                           batch_size=batch_size, **options)
     stats = job_stats(out)
     return stats.new_tokens / stats.run_s, out
 
 
 def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int,
-         static=STATIC) -> dict:
+         static=STATIC, variants: dict[str, dict] | None = None) -> dict:
     """One (drafter, B, category): median tokens/s per mode, modes rotated pass by pass
     (`static` empty: plain and auto alone; the best-static fields then compare with plain)."""
-    runs = modes(draft, static)
+    runs = modes(draft, static, variants)
     names = list(runs)
     rates: dict[str, list[float]] = {name: [] for name in names}
     auto_rows: list[dict] = []
+    variant_shapes: dict[str, dict] = {}
     for rep in range(repeats):
         shift = (turn + rep) % len(names)
         for name in names[shift:] + names[:shift]:
@@ -76,6 +108,8 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
             rates[name].append(rate)
             if name == "auto" and rep == 0:
                 auto_rows = [r.spec for r in out]
+            if name in (variants or {}) and rep == 0:
+                variant_shapes[name] = job_summary([r.spec for r in out]).get("shape_histogram", {})
     med = {name: statistics.median(v) for name, v in rates.items()}
     best = max((f"D={d}" for d in static), key=med.get, default="plain")
     summary = job_summary(auto_rows)
@@ -84,6 +118,7 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
             "auto_over_plain": med["auto"] / med["plain"],
             "auto_over_best_static": med["auto"] / med[best],
             "auto_shape_histogram": summary.get("shape_histogram", {}),
+            "variant_shape_histograms": variant_shapes,
             "auto_acceptance_length": summary["acceptance_length"],
             "auto_predicted_tokens_per_s": summary.get("predicted_tokens_per_s")}
 
@@ -121,9 +156,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--static", type=int, nargs="*", default=list(STATIC),
                         help="static chain lengths to compare (none: plain and auto alone)")
+    parser.add_argument("--auto-variants", nargs="*", default=[],
+                        help="NAME:FIELD=VALUE,...: auto with those AutoDrafter fields, as mode NAME")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = parse_rows(args.rows)
+    variants = parse_variants(args.auto_variants)
     model = load_model(args.model, dtype="float32")
     groups = category_prompts(model.tokenizer, args.prompts, args.max_prompt)
     names = args.categories or list(groups)
@@ -137,14 +175,17 @@ def main(argv=None) -> int:
             cells = {}
             for name in names:
                 cells[name] = cell(model, groups[name][: rows.get(b, b)], b, args.max_new, draft,
-                                   args.repeats, turn, tuple(args.static))
+                                   args.repeats, turn, tuple(args.static), variants)
                 turn += 1
                 c = cells[name]
                 print(f"{draft} B={b} {name:<15} plain {c['tokens_per_s']['plain']:6.1f} auto "
                       f"{c['tokens_per_s']['auto']:6.1f} best {c['best_static']} "
                       f"{c['tokens_per_s'][c['best_static']]:6.1f} | auto/plain "
                       f"{c['auto_over_plain']:.2f} auto/best {c['auto_over_best_static']:.2f} "
-                      f"shapes {c['auto_shape_histogram']} ({time.perf_counter() - start:.0f} s)",
+                      + "".join(f"{v}/plain {c['tokens_per_s'][v] / c['tokens_per_s']['plain']:.2f} "
+                                for v in variants) +
+                      f"shapes {c['auto_shape_histogram']} {c['variant_shape_histograms'] or ''}"
+                      f"({time.perf_counter() - start:.0f} s)",
                       flush=True)
                 if args.out:  # every finished cell is kept, should the run be cut short
                     report["results"][f"{draft}/B={b}"] = {"cells": cells, "overall": overall(cells)}

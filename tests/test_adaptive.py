@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import chi_square, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specjax import auto_costs
 from specjax.api import generate_ids
@@ -360,15 +362,19 @@ def test_rows_keep_their_own_estimate_and_a_refilled_row_starts_from_the_jobs():
     # one step of chain 4 where row 0 accepted all, row 1 none, row 2 is inactive
     reached, hits = observations(jnp.asarray([True, True, False]), jnp.asarray([4, 0, 0]), 4,
                                  drafter.tree.max_depth)
-    rows = updated_estimate(state.conditional, reached, hits, 0.5, 0.9, 0.01)
-    job = updated_estimate(state.job[:, 0], reached.sum(0), hits.sum(0), 0.5, 0.9, 0.01)
+    rows, seen = updated_estimate(state.conditional, state.seen[..., 0], reached, hits, 0.5, 0.9, 0.01, 2.0)
+    job, job_seen = updated_estimate(state.job[:, 0], state.job_seen[:, 0], reached.sum(0), hits.sum(0),
+                                     0.5, 0.9, 0.01, 2.0)
     assert float(rows[0, 0]) > 0.5 > float(rows[1, 0]) and float(rows[2, 0]) == 0.5
-    moved = state.replace(conditional=rows, job=state.job.at[:, 0].set(job))
+    moved = state.replace(conditional=rows, job=state.job.at[:, 0].set(job),
+                          seen=state.seen.at[..., 0].set(seen), job_seen=state.job_seen.at[:, 0].set(job_seen))
     new_rows = types.SimpleNamespace(tokens=jnp.zeros((2, 16), jnp.int32))  # the 2 new rows' decode
     refilled = drafter.refill(params, moved, new_rows, None, jnp.asarray([1, 7]))  # 7: unused
     np.testing.assert_allclose(refilled.conditional[1], job)
     np.testing.assert_allclose(refilled.conditional[0], rows[0])
     np.testing.assert_allclose(refilled.conditional[2], rows[2])
+    np.testing.assert_array_equal(refilled.seen[1], 0.0)  # the job's estimate, weighted as a prior
+    np.testing.assert_array_equal(refilled.seen[0, :, 0], seen[0])
 
 
 def test_observations_count_rows_reaching_each_depth():
@@ -383,10 +389,41 @@ def test_observations_count_rows_reaching_each_depth():
 
 
 def test_the_estimate_is_an_ema_per_observation_and_unobserved_depths_relax_to_the_prior():
-    cond = jnp.asarray([0.5, 0.2])
-    new = updated_estimate(cond, jnp.asarray([2.0, 0.0]), jnp.asarray([2.0, 0.0]), prior=0.6,
-                           decay=0.9, relax=0.1)
+    cond, seen = jnp.asarray([0.5, 0.2]), jnp.asarray([10.0, 10.0])  # past the prior's weight
+    new, now = updated_estimate(cond, seen, jnp.asarray([2.0, 0.0]), jnp.asarray([2.0, 0.0]),
+                                prior=0.6, decay=0.9, relax=0.1, prior_weight=2.0)
     np.testing.assert_allclose(new, [0.81 * 0.5 + 0.19 * 1.0, 0.2 + 0.1 * 0.4], rtol=1e-6)
+    np.testing.assert_array_equal(now, [10.0, 10.0])  # capped at the EMA's window
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=30), st.floats(0.0, 1.0), st.floats(0.5, 8.0))
+@settings(max_examples=40, deadline=None)
+def test_the_first_observations_weigh_against_the_prior_as_a_beta_mean(outcomes, prior, weight):
+    """One observation at a time: the estimate keeps min(decay, (weight + n) / (weight + n + 1))
+    of its old value at the n-th; so while weight + n < 9 (decay 0.9) it is the mean of the
+    prior's `weight` pseudo-observations and the outcomes (a Beta posterior's mean)."""
+    decay, est, seen, reference = 0.9, jnp.float32(prior), jnp.float32(0.0), prior
+    beta_steps = sum(weight + n < 9 for n in range(len(outcomes)))
+    for n, hit in enumerate(outcomes):
+        est, seen = updated_estimate(est, seen, jnp.float32(1.0), jnp.float32(hit), prior, decay,
+                                     0.01, weight)
+        keep = min(decay, (weight + n) / (weight + n + 1))
+        reference = keep * reference + (1 - keep) * float(hit)
+        np.testing.assert_allclose(float(est), reference, rtol=1e-5, atol=1e-6)
+        if n + 1 == beta_steps:
+            np.testing.assert_allclose(float(est), (weight * prior + sum(outcomes[: n + 1])) / (weight + n + 1),
+                                       rtol=1e-5, atol=1e-6)
+    assert float(seen) == min(len(outcomes), 10)
+
+
+def test_two_misses_from_the_default_prior_reach_a_quarter():
+    drafter, params = auto("ngram")
+    state = drafter.init(params, 1, 16)
+    est, seen = state.conditional, state.seen[..., 0]
+    for _ in range(2):
+        est, seen = updated_estimate(est, seen, jnp.ones_like(est), jnp.zeros_like(est), drafter.prior,
+                                     drafter.decay, drafter.relax, drafter.prior_weight)
+    np.testing.assert_allclose(est, 0.25, rtol=1e-6)
 
 
 def test_auto_lengths_add_the_tile_points_in_range():

@@ -38,8 +38,11 @@ j draft tokens were accepted observes depth j (accepted or not; an empty draft p
 as not). Each row keeps its own (`AutoState.conditional` `[B, Dmax]`: acceptance follows the
 content, so a job mixing categories, or one prompt that repeats itself among others that do
 not, is predicted row by row), and the job keeps one over all its rows' observations
-(`AutoState.job` `[Dmax, R]`), which a refilled row starts from. Depths no step observes drift
-back to the prior, so a shape ruled out early is tried again later.
+(`AutoState.job` `[Dmax, R]`), which a refilled row starts from. Until a row's observations
+outweigh where it started (the prior, or the job's estimate, counted as `prior_weight`
+observations), its estimate is their mean with it (a Beta posterior's mean), so its first
+steps are not spent on a shape the prior over-rates. Depths no step observes drift back to the
+prior, so a shape ruled out early is tried again later.
 """
 from __future__ import annotations
 
@@ -124,6 +127,8 @@ class AutoState:
     conditional: jax.Array
     siblings: jax.Array  # [B, Dmax, R - 1] the same for the candidates of rank 1..R-1 (trees)
     job: jax.Array  # [Dmax, R] the job's estimate over all its rows (ranks 0..R-1): a new row's start
+    seen: jax.Array  # [B, Dmax, R] observations behind each row's estimate (capped: `updated_estimate`)
+    job_seen: jax.Array  # [Dmax, R] the same for the job's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +141,8 @@ class AutoDrafter(Drafter):
     lengths: tuple[int, ...] = BASE_LENGTHS
     trees: tuple[TreeSpec, ...] = ()
     prior: float = 0.5  # the estimate before any observation, and where unobserved depths drift
-    decay: float = 0.9  # EMA weight kept per observation
+    prior_weight: float = 2.0  # the prior (or a refilled row's start, the job's) counts as this many observations
+    decay: float = 0.9  # EMA weight kept per observation, once the observations outweigh the prior
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
 
@@ -193,7 +199,7 @@ class AutoDrafter(Drafter):
         job = jnp.full((self.tree.max_depth, self.num_ranks), self.prior, jnp.float32)
         rows = jnp.broadcast_to(job, (batch_size,) + job.shape)
         return AutoState(self.inner.init(params.inner, batch_size, width), rows[..., 0],
-                         rows[..., 1:], job)
+                         rows[..., 1:], job, jnp.zeros_like(rows), jnp.zeros_like(job))
 
     def init_carry(self, params: AutoParams):
         return self.inner.init_carry(params.inner)
@@ -211,11 +217,13 @@ class AutoDrafter(Drafter):
         return state.replace(inner=self.inner.prefill(params.inner, state.inner, decode, target_out))
 
     def refill(self, params: AutoParams, state: AutoState, decode, target_out, slots) -> AutoState:
-        """The inner drafter's refill; the new rows' acceptance estimates start from the job's."""
+        """The inner drafter's refill; the new rows' acceptance estimates start from the job's
+        (weighted as the prior is: no observation of the row's own yet)."""
         fresh = jnp.broadcast_to(state.job, slots.shape + state.job.shape)
-        rows = put_rows((state.conditional, state.siblings), (fresh[..., 0], fresh[..., 1:]), slots)
+        rows = put_rows((state.conditional, state.siblings, state.seen),
+                        (fresh[..., 0], fresh[..., 1:], jnp.zeros_like(fresh)), slots)
         return state.replace(inner=self.inner.refill(params.inner, state.inner, decode, target_out, slots),
-                             conditional=rows[0], siblings=rows[1])
+                             conditional=rows[0], siblings=rows[1], seen=rows[2])
 
     def propose(self, params, state, decode, key, sampling):
         raise TypeError("auto picks its shape per step: run it through loop.spec_step")
@@ -262,7 +270,7 @@ class AutoDrafter(Drafter):
         while a loop carries its buffers in place. `branch` `[]` (profiling): that branch for
         exactly `steps` `[]` steps."""
         update = functools.partial(updated_estimate, prior=self.prior, decay=self.decay,
-                                   relax=self.relax)
+                                   relax=self.relax, prior_weight=self.prior_weight)
         width = state.tokens.shape[1]
 
         def body(index: int, carry):
@@ -274,10 +282,10 @@ class AutoDrafter(Drafter):
                                                        criteria, state, auto_state.inner, metrics)
             metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
                                            drafter_params.costs_at(width)[index])
-            rows = update(jnp.concatenate([auto_state.conditional[..., None], auto_state.siblings],
-                                          -1), reached, hits)
-            auto_state = AutoState(inner, rows[..., 0], rows[..., 1:],
-                                   update(auto_state.job, reached.sum(0), hits.sum(0)))
+            rows, seen = update(jnp.concatenate([auto_state.conditional[..., None],
+                                                 auto_state.siblings], -1), auto_state.seen, reached, hits)
+            job, job_seen = update(auto_state.job, auto_state.job_seen, reached.sum(0), hits.sum(0))
+            auto_state = AutoState(inner, rows[..., 0], rows[..., 1:], job, seen, job_seen)
             count = count + 1
             next_index, per_step = self.pick(drafter_params, auto_state, state)  # the next step's
             if branch is not None:
@@ -392,12 +400,22 @@ def tree_observations(active: jax.Array, path: jax.Array, num_accepted: jax.Arra
     return pad(seen), pad(hit)
 
 
-def updated_estimate(conditional: jax.Array, reached: jax.Array, hits: jax.Array, prior: float,
-                     decay: float, relax: float) -> jax.Array:
-    """The EMA of conditional acceptance (any shape, e.g. `[Dmax]` or `[B, Dmax, R]`) after
-    `reached` observations of each entry, `hits` of them accepted (one EMA update per
-    observation); unobserved entries relax to the prior."""
-    keep = decay ** reached
+def updated_estimate(conditional: jax.Array, seen: jax.Array, reached: jax.Array, hits: jax.Array,
+                     prior: float, decay: float, relax: float, prior_weight: float):
+    """(estimate, seen) of conditional acceptance (any shape, e.g. `[Dmax]` or `[B, Dmax, R]`)
+    after `reached` more observations of each entry, `hits` of them accepted, `seen` before.
+
+    The estimate starts as worth `prior_weight` observations: until the observations outweigh
+    it enough, it is their mean with the start (a Beta posterior's mean, keeping
+    (prior_weight + seen) / (prior_weight + seen + reached) of the old value); from then on an
+    EMA keeping `decay` per observation, whichever keeps less. A row's first observations
+    thus move it as far as they weigh: from 0.5 with weight 2, two misses give 0.25 (the EMA
+    alone 0.405, and 7 misses to fall below 0.25), so a job does not spend its first steps on
+    a shape the prior over-rates. `seen` stops counting at the EMA's window 1 / (1 - decay),
+    past which the EMA keeps less anyway. Unobserved entries relax to the prior."""
+    keep = jnp.minimum(decay ** reached,
+                       (prior_weight + seen) / jnp.maximum(prior_weight + seen + reached, 1e-9))
     observed = keep * conditional + (1.0 - keep) * hits / jnp.maximum(reached, 1.0)
     relaxed = conditional + relax * (prior - conditional)
-    return jnp.where(reached > 0, observed, relaxed)
+    seen = jnp.minimum(seen + reached, 1.0 / (1.0 - decay))
+    return jnp.where(reached > 0, observed, relaxed), seen

@@ -5,8 +5,9 @@
 branch (the plain step and each chain length) at this batch size, at two cache widths
 (`CONTEXTS`: a job is priced on the line through them at its program's width). They are
 measured by running the branches themselves, forced, on a running batch
-(`profile_step_costs`: compilation excluded, branches timed in turns, the fastest turn of
-each), once per (device kind, model, dtype, batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
+(`profile_step_costs`: compilation excluded, branches timed in turns of a 1-step and a 4-step
+call, the fastest of each, a call's own cost left out), once per (device kind, model, dtype,
+batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
 with a warning: never an error. `costs_from_profile` reads the same costs from a
@@ -134,16 +135,17 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     the first call. The branches are then timed in turns, each turn a call of 1 step and one
     of `steps` steps per branch, `repeats` turns at most; past two turns, none starts once the
     timed calls took `budget_s`. What a call costs besides its steps (the dispatch, fresh
-    buffers for the whole state out) is no cost of a job's steps, which
-    run inside one program call: at B = 8 and 1024 cached tokens it was ~65-95 ms a call
-    against ~45 ms a plain step, so t(4) / 4 priced every branch ~20 ms high and their ratios
-    close to 1. It is the same for every branch (the same state goes in and out), so it is
-    taken once, the median over the branches of the intercept of the line through each
-    branch's two calls, and a branch's step cost is (t(steps) - that) / steps (the slope of
-    one branch's two calls alone swung by 20 % between profiles;
-    `benchmarks/auto_profile_time.py` prints both). Fastest times, because other work on the machine only ever adds time and a cost profiled
-    during a burst of it would steer every later job (the file is kept): with the median of 3
-    turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the plain step.
+    buffers for the whole state out) is no cost of a job's steps, which run inside one
+    program call: at B = 8 and 1024 cached tokens it was ~65-95 ms a call against ~45 ms a
+    plain step, so t(4) / 4 priced every branch ~20 ms high and their ratios close to 1. It
+    is the same for every branch (the same state goes in and out), so it is taken once, the
+    median over the branches of the intercept of the line through each branch's two calls,
+    and a branch's step cost is (t(steps) - that) / steps (the slope of one branch's two
+    calls alone swung by 20 % between profiles; `benchmarks/auto_profile_time.py` prints
+    both). Fastest times, because other work on the machine only ever adds time and a cost
+    profiled during a burst of it would steer every later job (the file is kept): with the
+    median of 3 turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the
+    plain step.
     phases: when given, gets "first_call_s" (compile + one call), "timed_s" and "call_s" (a
     call's cost besides its steps)."""
     if steps < 2:

@@ -16,9 +16,10 @@ step costs are profiled once per batch size, before the timed runs, or read from
 `times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
 auto / plain and auto / the cell's best static D, auto's shape histogram and its predicted
-tokens/s. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those
+tokens/s. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those numeric
 `AutoDrafter` fields changed (an A/B of auto's own settings in the same run, e.g.
-`ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x plain in every cell, >= 0.95 x the best static D,
+`ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x
+plain in every cell, >= 0.95 x the best static D,
 and at B = 1 overall, auto above the best single static D.
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@ costs (missing, corrupt, foreign files are profiled again, never an error); the 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import types
@@ -276,6 +277,23 @@ def test_the_pick_follows_the_estimate_and_the_active_rows():
     tokens_per_s, per_step = drafter.predicted(params, certain, jnp.asarray([True, True]))
     np.testing.assert_allclose(per_step, [1, 2, 3, 5])
     np.testing.assert_allclose(tokens_per_s, 2 * per_step / params.step_s, rtol=1e-6)
+
+
+def test_a_draft_shape_must_beat_plain_decoding_by_min_gain():
+    drafter, params = auto("ngram", step_s=[1.0, 1.3, 1.35, 1.5])
+    state = drafter.init(params, 2, 16)
+    state = state.replace(conditional=jnp.full_like(state.conditional, 0.4))
+    decode = types.SimpleNamespace(done=jnp.zeros(2, bool), tokens=jnp.zeros((2, 16), jnp.int32),
+                                   step=jnp.int32(0))
+    tokens_per_s = np.asarray(drafter.predicted(params, state, ~decode.done)[0])
+    best = int(np.argmax(tokens_per_s))
+    margin = tokens_per_s[best] / tokens_per_s[0] - 1.0
+    assert best > 0 and margin > 0.02
+    for min_gain, picked in [(0.0, best), (margin - 0.01, best), (margin + 0.01, 0)]:
+        gated = dataclasses.replace(drafter, min_gain=min_gain)
+        assert int(gated.pick(params, state, decode)[0]) == picked, min_gain
+    with pytest.raises(ValueError, match="min_gain"):
+        dataclasses.replace(drafter, min_gain=-0.1)
 
 
 # ---- sampling stays lossless ----------------------------------------------------------------------

@@ -144,12 +144,15 @@ class AutoDrafter(Drafter):
     prior_weight: float = 2.0  # the prior (or a refilled row's start, the job's) counts as this many observations
     decay: float = 0.9  # EMA weight kept per observation, once the observations outweigh the prior
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
+    min_gain: float = 0.0  # a draft shape must beat plain decoding's predicted tokens/s by this fraction
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
 
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
             raise ValueError("auto needs a drafter whose state does not depend on its tree "
                              f"(Drafter.shape_free_state), got {self.inner and self.inner.name}")
+        if not self.min_gain >= 0.0:
+            raise ValueError(f"auto's min_gain must be >= 0, got {self.min_gain}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
             raise ValueError(f"auto lengths must be sorted, distinct and include 0, got {self.lengths}")
         deep = [t.name for t in self.trees if t.max_depth > max(self.lengths)]
@@ -252,7 +255,7 @@ class AutoDrafter(Drafter):
         tokens_per_s, per_step = self.predicted(params, state, ~decode.done, decode.tokens.shape[1])
         if self.rotate:
             return (decode.step % self.num_shapes).astype(jnp.int32), per_step
-        return jnp.argmax(tokens_per_s).astype(jnp.int32), per_step
+        return jnp.argmax(handicapped(tokens_per_s, self.min_gain)).astype(jnp.int32), per_step
 
     def switched_step(self, target, params, drafter_params: AutoParams, state: DecodeState,
                       drafter_state: AutoState, metrics, sampling, criteria, branch=None,
@@ -364,6 +367,13 @@ class AutoDrafter(Drafter):
         else:
             reached = hits = jnp.zeros((token.shape[0], self.tree.max_depth), jnp.float32)
         return state, inner_state, metrics, *self._ranked(reached, hits)
+
+
+def handicapped(tokens_per_s: jax.Array, min_gain: float) -> jax.Array:
+    """`[S]` predicted tokens/s (branch 0: plain decoding) with every draft shape's divided by
+    1 + min_gain: a shape is picked over plain decoding only when predicted that much faster
+    (the margin the cost and acceptance estimates' noise must clear)."""
+    return tokens_per_s.at[1:].divide(1.0 + min_gain)
 
 
 def observations(active: jax.Array, accepted: jax.Array, num_draft: int, max_depth: int):

@@ -15,8 +15,9 @@ step costs are profiled once per batch size, before the timed runs, or read from
 `D=1, 2, 4, 8` (a fixed chain). Compilation is excluded (each program is built before it runs;
 `times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
-auto / plain and auto / the cell's best static D, auto's shape histogram and its predicted
-tokens/s. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those numeric
+auto / plain and auto / the cell's best static D, auto's shape histogram, and its predicted
+decode tokens/s beside the measured ones (every token after each row's first over the decode
+seconds: the prefill, which the prediction does not price, left out). `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those numeric
 `AutoDrafter` fields changed (an A/B of auto's own settings in the same run, e.g.
 `ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x
 plain in every cell, >= 0.95 x the best static D,
@@ -83,14 +84,15 @@ def auto_fields(fields: dict):
         AutoDrafter.wrap = classmethod(wrap)
 
 
-def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, list]:
-    """(tokens/s over the programs' run seconds, compile excluded; the results)."""
+def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, float, list]:
+    """(tokens/s over the programs' run seconds, compile excluded; decode tokens/s: every token
+    after each row's first over the decode seconds, what auto's prediction prices; the results)."""
     options = dict(options)
     with auto_fields(options.pop("auto_fields", {})):
         out = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
                            batch_size=batch_size, **options)
     stats = job_stats(out)
-    return stats.new_tokens / stats.run_s, out
+    return stats.new_tokens / stats.run_s, (stats.new_tokens - len(out)) / stats.decode_s, out
 
 
 def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int,
@@ -101,12 +103,15 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
     names = list(runs)
     rates: dict[str, list[float]] = {name: [] for name in names}
     auto_rows: list[dict] = []
+    auto_decode: list[float] = []
     variant_shapes: dict[str, dict] = {}
     for rep in range(repeats):
         shift = (turn + rep) % len(names)
         for name in names[shift:] + names[:shift]:
-            rate, out = timed(model, prompts, batch_size, max_new, runs[name])
+            rate, decode_rate, out = timed(model, prompts, batch_size, max_new, runs[name])
             rates[name].append(rate)
+            if name == "auto":
+                auto_decode.append(decode_rate)
             if name == "auto" and rep == 0:
                 auto_rows = [r.spec for r in out]
             if name in (variants or {}) and rep == 0:
@@ -114,6 +119,7 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
     med = {name: statistics.median(v) for name, v in rates.items()}
     best = max((f"D={d}" for d in static), key=med.get, default="plain")
     summary = job_summary(auto_rows)
+    predicted, decode_rate = summary.get("predicted_tokens_per_s"), statistics.median(auto_decode)
     return {"num_prompts": len(prompts), "tokens_per_s": med, "runs": rates,
             "best_static": best,
             "auto_over_plain": med["auto"] / med["plain"],
@@ -121,7 +127,9 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
             "auto_shape_histogram": summary.get("shape_histogram", {}),
             "variant_shape_histograms": variant_shapes,
             "auto_acceptance_length": summary["acceptance_length"],
-            "auto_predicted_tokens_per_s": summary.get("predicted_tokens_per_s")}
+            "auto_predicted_tokens_per_s": predicted,
+            "auto_decode_tokens_per_s": decode_rate,
+            "auto_predicted_over_measured_decode": predicted / decode_rate if predicted else None}
 
 
 def overall(cells: dict[str, dict]) -> dict:
@@ -186,6 +194,7 @@ def main(argv=None) -> int:
                       + "".join(f"{v}/plain {c['tokens_per_s'][v] / c['tokens_per_s']['plain']:.2f} "
                                 for v in variants) +
                       f"shapes {c['auto_shape_histogram']} {c['variant_shape_histograms'] or ''}"
+                      f"decode predicted/measured {c['auto_predicted_over_measured_decode'] or 0:.2f} "
                       f"({time.perf_counter() - start:.0f} s)",
                       flush=True)
                 if args.out:  # every finished cell is kept, should the run be cut short

@@ -719,3 +719,18 @@ def test_chain_costs_are_made_non_decreasing_in_the_draft_length():
     assert auto_costs.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert auto_costs.monotone([265.0, 292.0, 246.0, 354.0]) == pytest.approx([265.0, 269.0, 269.0, 354.0])
     assert auto_costs.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_the_adaptive_benchmark_cell_times_every_mode_and_prices_decode_alone(fake_profiler):
+    from helpers import load_benchmark
+
+    adaptive = load_benchmark("adaptive")
+    cfg, params = model()
+    variants = adaptive.parse_variants(["gate:min_gain=100"])
+    c = adaptive.cell(types.SimpleNamespace(cfg=cfg, params=params), PROMPTS[:2], 2, 8, "ngram",
+                      repeats=1, turn=0, static=(1, 2), variants=variants)
+    assert set(c["tokens_per_s"]) == {"plain", "auto", "gate", "D=1", "D=2"}
+    assert c["variant_shape_histograms"]["gate"] == {"0": sum(c["variant_shape_histograms"]["gate"].values())}
+    assert c["auto_decode_tokens_per_s"] > 0 and c["auto_predicted_over_measured_decode"] > 0
+    with pytest.raises(SystemExit, match="no field"):
+        adaptive.parse_variants(["bad:no_such_field=1"])

@@ -16,8 +16,10 @@ step costs are profiled once per batch size, before the timed runs, or read from
 `times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
 auto / plain and auto / the cell's best static D, auto's shape histogram, and its predicted
-decode tokens/s beside the measured ones (every token after each row's first over the decode
-seconds: the prefill, which the prediction does not price, left out). `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those numeric
+decode tokens/s beside the measured ones: the prediction prices decoding steps only, and a
+refilling run's decode seconds hold its slots' prefills, so the price is checked on one more auto
+run in static batches (`refill=False`: prefill timed apart), every token after each row's first
+over its decode seconds. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto with those numeric
 `AutoDrafter` fields changed (an A/B of auto's own settings in the same run, e.g.
 `ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x
 plain in every cell, >= 0.95 x the best static D,
@@ -86,7 +88,8 @@ def auto_fields(fields: dict):
 
 def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple[float, float, list]:
     """(tokens/s over the programs' run seconds, compile excluded; decode tokens/s: every token
-    after each row's first over the decode seconds, what auto's prediction prices; the results)."""
+    after each row's first over the decode seconds (with refill=False, what auto's prediction
+    prices; a refilling run's decode seconds hold its prefills); the results)."""
     options = dict(options)
     with auto_fields(options.pop("auto_fields", {})):
         out = generate_ids(model.cfg, model.params, prompts, max_new_tokens=max_new,
@@ -103,15 +106,12 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
     names = list(runs)
     rates: dict[str, list[float]] = {name: [] for name in names}
     auto_rows: list[dict] = []
-    auto_decode: list[float] = []
     variant_shapes: dict[str, dict] = {}
     for rep in range(repeats):
         shift = (turn + rep) % len(names)
         for name in names[shift:] + names[:shift]:
-            rate, decode_rate, out = timed(model, prompts, batch_size, max_new, runs[name])
+            rate, _, out = timed(model, prompts, batch_size, max_new, runs[name])
             rates[name].append(rate)
-            if name == "auto":
-                auto_decode.append(decode_rate)
             if name == "auto" and rep == 0:
                 auto_rows = [r.spec for r in out]
             if name in (variants or {}) and rep == 0:
@@ -119,7 +119,9 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
     med = {name: statistics.median(v) for name, v in rates.items()}
     best = max((f"D={d}" for d in static), key=med.get, default="plain")
     summary = job_summary(auto_rows)
-    predicted, decode_rate = summary.get("predicted_tokens_per_s"), statistics.median(auto_decode)
+    _, decode_rate, static_out = timed(model, prompts, batch_size, max_new,
+                                       runs["auto"] | {"refill": False})  # the price check
+    predicted = job_summary([r.spec for r in static_out]).get("predicted_tokens_per_s")
     return {"num_prompts": len(prompts), "tokens_per_s": med, "runs": rates,
             "best_static": best,
             "auto_over_plain": med["auto"] / med["plain"],

@@ -6,7 +6,8 @@ SmolLM2-135M f32, n-gram, one fixed prompt per row (200 tokens), greedy, EOS off
 pass by pass: `static` (`num_draft=D`) and `forced` (`AutoDrafter.wrap(ngram, (0, D))` with
 D priced far below a plain step, so every step picks D: the same steps inside auto's
 `lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
-seconds / steps, compile excluded) of each and their ratio, and checks that both emit the same
+seconds / steps, compile excluded; static batches, `refill=False`, so that the prefill is timed
+apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and checks that both emit the same
 tokens (docs/measure_and_tune.md quotes a run).
 
 `--num-draft 0`: auto's plain branch against plain decoding. `static` is then plain decoding
@@ -50,7 +51,8 @@ def main() -> None:
     for rep in range(args.repeats + 1):  # pass 0 compiles
         for name in names[rep % 2:] + names[:rep % 2]:
             out = specjax.generate_ids(model.cfg, model.params, prompts, batch_size=args.batch,
-                                       max_new_tokens=args.max_new, eos_ids=[], **modes[name])
+                                       max_new_tokens=args.max_new, eos_ids=[], refill=False,
+                                       **modes[name])  # static batches: prefill timed apart
             steps = max(len(r.token_ids) if plain_only else r.spec["steps"] for r in out)
             tokens.setdefault(name, [r.token_ids for r in out])
             if rep:

@@ -7,8 +7,8 @@ pass by pass: `static` (`num_draft=D`) and `forced` (`AutoDrafter.wrap(ngram, (0
 D priced far below a plain step, so every step picks D: the same steps inside auto's
 `lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
 seconds / steps, compile excluded; static batches, `refill=False`, so that the prefill is timed
-apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and checks that both emit the same
-tokens (docs/measure_and_tune.md quotes a run).
+apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and
+checks that both emit the same tokens (docs/measure_and_tune.md quotes a run).
 
 `--num-draft 0`: auto's plain branch against plain decoding. `static` is then plain decoding
 (no drafter) and `forced` auto over (0, 1) with the plain step priced far below D = 1, so every

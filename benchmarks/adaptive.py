@@ -17,11 +17,11 @@ step costs are profiled once per batch size, before the timed runs, or read from
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
 auto / plain and auto / the cell's best static D, auto's shape histogram, and its predicted
 decode tokens/s beside the measured ones: the prediction prices decoding steps only, and a
-refilling run's decode seconds hold its slots' prefills, so the price is checked on one more auto
-run in static batches (`refill=False`: prefill timed apart; the faster of two runs), every
-token after each row's first over its decode seconds. `--auto-variants NAME:FIELD=VALUE,...` adds a mode `NAME`: auto
-with those numeric `AutoDrafter` fields changed (an A/B of auto's own settings in the same run, e.g.
-`ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x
+refilling run's decode seconds hold its slots' prefills, so the price is checked on auto runs in
+static batches (`refill=False`: prefill timed apart; the faster of two runs), every token after
+each row's first over its decode seconds. `--auto-variants NAME:FIELD=VALUE,...` adds a mode
+`NAME`: auto with those numeric `AutoDrafter` fields changed (an A/B of auto's own settings in
+the same run, e.g. `ema:prior_weight=1e9`, the estimate before 2026-12-04). Targets (issue 15): auto >= 0.97 x
 plain in every cell, >= 0.95 x the best static D,
 and at B = 1 overall, auto above the best single static D.
 """

@@ -13,7 +13,9 @@ first-time compile in a warm process. A "program" is what `api.run_batch` compil
 batch shape: the prefill program and the decode program (`--fused`: the one program of both),
 summed. Arguments are shapes only (`jax.ShapeDtypeStruct`): compilation does not read
 weights, so learned heads (`eagle3`, `mtp`, ... without a folder) get the shapes of their
-records' random init and nothing is computed. `--temperature 0` (the default) measures the
+records' random init and nothing is computed. `--trees auto` is `num_draft="auto"`'s program
+(every branch of `auto_costs.auto_drafter` in one program; step costs as shapes, no profile
+run). `--temperature 0` (the default) measures the
 greedy programs, `> 0` the sampling ones (greedy or not is static, `SamplingParams.greedy`).
 
 Per program it records lower and compile seconds and the size of what was compiled:
@@ -54,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket, draft_margin
+from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.drafters.learned.drafting import drafter_params as head_params
 from specjax.drafters.learned.registry import (
     KINDS,
@@ -75,11 +78,13 @@ from specjax.loop import (
 from specjax.models.hub import load_model
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
-from specjax.tree import TreeSpec, load_tree
+from specjax.tree import TreeSpec, chain, load_tree
 
 DEFAULT_DRAFTS = ("ngram", "suffix", "layerskip:4", "model:smollm2-135m",
                   "eagle3", "mtp", "medusa", "dflash", "dspark")
 DEFAULT_TREES = ("chain4", "eagle_small")
+#: the `--trees` name of auto's program (`num_draft="auto"`: every branch in one program)
+AUTO = "auto"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -125,6 +130,25 @@ def build_drafter(draft: str, tree: TreeSpec, model, loader):
     if draft in KINDS:
         return learned_drafter(draft, tree, model.cfg, model.params)
     return make_drafter(draft, tree=tree, target=model, loader=loader)
+
+
+def build_auto(draft: str, model, loader):
+    """(AutoDrafter, abstract AutoParams) of `num_draft="auto"` over the drafter of `draft`:
+    the branches `auto_costs.auto_drafter` compiles (the plain step and `auto_lengths` chains
+    up to what the drafter can draft), step costs as shapes (compiling reads no cost)."""
+    probe, _ = build_drafter(draft, chain(1), model, loader)
+    deepest = auto_max_draft(probe)
+    inner, inner_params = build_drafter(draft, chain(deepest), model, loader)
+    auto = AutoDrafter.wrap(inner, auto_lengths(getattr(model.cfg, "group_size", None), deepest))
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return auto, AutoParams(inner_params, f32(2, auto.num_shapes), f32(2))
+
+
+def drafter_of(prog: Program, model, loader):
+    """(drafter, drafter params) a program compiles: `--trees auto` is auto's program."""
+    if prog.tree == AUTO:
+        return build_auto(prog.draft, model, loader)
+    return build_drafter(prog.draft, load_tree(prog.tree), model, loader)
 
 
 def program_call(model, program: Program, drafter=None, drafter_params=None, *,
@@ -266,8 +290,7 @@ class Measurer:
         if prog not in self.calls:
             drafter = drafter_params = None
             if prog.draft is not None:
-                drafter, drafter_params = build_drafter(prog.draft, load_tree(prog.tree),
-                                                        self.model, self.loader)
+                drafter, drafter_params = drafter_of(prog, self.model, self.loader)
             self.calls[prog] = program_call(self.model, prog, drafter, drafter_params,
                                             **self.options)
         return measure(self.calls[prog])

@@ -51,3 +51,16 @@ def test_greedy_programs_carry_no_sampling_code(bench):
         fn, args, kwargs = stages[0]
         sorts[temperature] = fn.lower(*args, **kwargs).as_text().count("stablehlo.sort")
     assert sorts[0.0] == 0 and sorts[0.7] > 0
+
+
+def test_auto_program_holds_every_branch(bench):
+    """`--trees auto` compiles num_draft="auto"'s program: one while loop per branch (the plain
+    step and each chain) on top of what the chain-4 program holds."""
+    cfg = tiny_config()
+    model = types.SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
+    measure = bench.Measurer(model, prompt_width=8, max_new=8)
+    chain4, auto = (measure(bench.Program(1, "ngram", tree)) for tree in ("chain4", bench.AUTO))
+    drafter, _ = bench.build_auto("ngram", model, None)
+    assert drafter.lengths == (0, 1, 2, 4, 8)
+    assert auto["stages"][1]["kernels"] > chain4["stages"][1]["kernels"]
+    assert auto["while_ops"] >= chain4["while_ops"] + len(drafter.lengths) - 1

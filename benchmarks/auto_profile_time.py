@@ -5,11 +5,12 @@ split into its first call (compile + one run) and the timed turns, in a fresh pr
         [--steps 4 --repeats 5 --budget-s 15]   # before 2026-12-03: --steps 2 --repeats 3 --budget-s 10
 
 Prints one JSON line: {"model", "draft", "batch_size", "lengths", "steps", "repeats", "total_s",
-"contexts": [{"context", "width", "total_s", "first_call_s", "timed_s", "step_ms", "call_ms"}]}
+"contexts": [{"context", "cached", "width", "total_s", "first_call_s", "timed_s", "step_ms", "call_ms"}]}
 (call_ms: a profile call's cost besides its steps, which the step costs leave out; auto
 profiles at each of `auto_costs.CONTEXTS`; `--contexts 64 512 1024` also checks how well the
-line through the first two predicts a third). Run it with SPECJAX_COMPILE_CACHE=0 to time a
-first run.
+line through the first two predicts a third; `--contexts 1024 1024 --cached 1024 64` whether
+a width's cost depends on how much of it is filled). Run it with SPECJAX_COMPILE_CACHE=0 to
+time a first run.
 """
 from __future__ import annotations
 
@@ -33,21 +34,29 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=auto_costs.REPEATS)
     p.add_argument("--budget-s", type=float, default=auto_costs.BUDGET_S)
     p.add_argument("--contexts", type=int, nargs="+", default=list(auto_costs.CONTEXTS),
-                   help="cached tokens of each profile (auto profiles each of these)")
+                   help="the contexts whose cache widths are profiled (auto profiles each of these)")
+    p.add_argument("--cached", type=int, nargs="+", default=None,
+                   help="tokens cached in each context's program, one per context (default: "
+                        "auto's, `auto_costs.cached_tokens`: at most 64 where the attention reads "
+                        "the whole buffer)")
     args = p.parse_args()
     model = load_model(args.model, dtype="float32")
     inner, inner_params = make_drafter(args.draft, tree=chain(8), target=model, auto=True)
     drafter = AutoDrafter.wrap(inner, auto_lengths(model.cfg.group_size, auto_max_draft(inner)))
+    cached = args.cached or [auto_costs.cached_tokens(model.cfg, c) for c in args.contexts]
+    if len(cached) != len(args.contexts):
+        p.error("--cached takes one number per context")
     rows = []
     begin = time.perf_counter()
-    for context in args.contexts:
+    for context, tokens in zip(args.contexts, cached):
         phases: dict = {}
         start = time.perf_counter()
+        width = auto_costs.profile_width(drafter, context, args.steps)
         step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
-                                               args.batch_size, context=context, steps=args.steps,
+                                               args.batch_size, context=tokens, steps=args.steps,
                                                repeats=args.repeats, budget_s=args.budget_s,
-                                               phases=phases)
-        rows.append({"context": context, "width": auto_costs.profile_width(drafter, context, args.steps),
+                                               phases=phases, width=width)
+        rows.append({"context": context, "cached": tokens, "width": width,
                      "total_s": round(time.perf_counter() - start, 1),
                      "first_call_s": round(phases.get("first_call_s", 0.0), 1),
                      "timed_s": round(phases.get("timed_s", 0.0), 1),

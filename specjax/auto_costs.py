@@ -3,7 +3,9 @@
 `auto_drafter(target, params, drafter, drafter_params, batch_size)` wraps a drafter for auto
 (`drafters.auto.AutoDrafter`) with `AutoParams.step_s`: the seconds of one whole step of each
 branch (the plain step and each chain length) at this batch size, at two cache widths
-(`CONTEXTS`: a job is priced on the line through them at its program's width). They are
+(those of `CONTEXTS`: a job is priced on the line through them at its program's width; where
+the attention reads the whole buffer whatever is filled, the wide one with few tokens cached,
+`cached_tokens`). They are
 measured by running the branches themselves, forced, on a running batch
 (`profile_step_costs`: compilation excluded, branches timed in turns of a 1-step and a 4-step
 call, the fastest of each, a call's own cost left out), once per (device kind, model, dtype,
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
+from specjax.kernels.dispatch import resolve_impl
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.hub import cache_dir
 from specjax.sampling import SamplingParams
@@ -39,8 +42,9 @@ from specjax.xla_options import current_options, program
 #: what the branches do and how they are timed; files of another version are profiled again
 #: (2: model-based drafters' plain branch syncs instead of proposing, so it costs less; 3: the
 #: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts, a
-#: call's own cost, from calls of 1 and 4 steps, left out)
-VERSION = 4
+#: call's own cost, from calls of 1 and 4 steps, left out; 5: the wide width with `CONTEXT`
+#: tokens cached where a step's cost follows the width alone, `cached_tokens`)
+VERSION = 5
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
 #: cache writes), and not alike for every branch (SmolLM2, B = 8 here: D=4 / D=0 2.0 at 64
@@ -118,6 +122,21 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
                                  sampling, criteria, branch=branch, steps=steps)
 
 
+def cached_tokens(target, context: int) -> int:
+    """The tokens a profile for `context` caches before its timed steps: `context`, or at most
+    `CONTEXT` when the target's attention is the XLA path (`kernels.dispatch.resolve_impl`;
+    every attention on CPU): that reads the whole cache buffer, masked, however much of it is
+    filled, so a step costs what its program's width makes it cost, and prefilling 1024 tokens a
+    row only costs the profile time (most of a B = 8 profile's on CPU). The Pallas kernels stop
+    at each row's length: there the tokens are cached for real. A target without a
+    `ModelConfig` (`cfg`) is treated like a kernel's."""
+    cfg = getattr(as_target(target), "cfg", None)
+    impl = getattr(cfg, "attention_impl", None)
+    if impl is None or resolve_impl(impl, cfg.head_dim) != "xla":
+        return context
+    return min(context, CONTEXT)
+
+
 def profile_width(drafter: AutoDrafter, context: int, steps: int = STEPS) -> int:
     """The cache width of the profile's program at `context` tokens: room for the timed steps
     and the two calls before them at the drafter's widest draft."""
@@ -126,10 +145,12 @@ def profile_width(drafter: AutoDrafter, context: int, steps: int = STEPS) -> int
 
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
                        context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
-                       budget_s: float = BUDGET_S, phases: dict | None = None) -> list[float]:
+                       budget_s: float = BUDGET_S, phases: dict | None = None,
+                       width: int | None = None) -> list[float]:
     """`[S]` seconds of one step of each branch of `drafter` at `batch_size` rows with
     `context` tokens cached (rows repeating a short motif, so drafters find matches), in a
-    program whose cache holds `profile_width` tokens.
+    program whose cache holds `width` tokens (default `profile_width` of the context; at least
+    that).
 
     One program serves every branch and step count (both are arguments): it compiles once, on
     the first call. The branches are then timed in turns, each turn a call of 1 step and one
@@ -150,7 +171,7 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     call's cost besides its steps)."""
     if steps < 2:
         raise ValueError(f"the profile needs calls of 1 and of steps >= 2 steps, got steps={steps}")
-    width = profile_width(drafter, context, steps)
+    width = max(width or 0, profile_width(drafter, context, steps))
     motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
     prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
     sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
@@ -217,12 +238,13 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
+    cached = [cached_tokens(target, c) for c in CONTEXTS]
     log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
-        f"{batch_size} on {key['device_kind']}, {' and '.join(map(str, CONTEXTS))} tokens cached "
-        "(once per device, model, dtype and batch size)")
+        f"{batch_size} on {key['device_kind']}, cache widths {' and '.join(map(str, key['widths']))} "
+        f"({' and '.join(map(str, cached))} tokens cached; once per device, model, dtype and batch size)")
     begin = time.perf_counter()
-    step_s = [profile_step_costs(target, params, drafter, inner_params, batch_size, context=c)
-              for c in CONTEXTS]
+    step_s = [profile_step_costs(target, params, drafter, inner_params, batch_size, context=c, width=w)
+              for c, w in zip(cached, key["widths"])]
     seconds = time.perf_counter() - begin
     names = [f"D={d}" for d in drafter.lengths] + [f"tree{i}" for i in range(len(drafter.trees))]
     log(f"auto: profiled in {seconds:.1f} s (" + "; ".join(

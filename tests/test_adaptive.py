@@ -459,9 +459,9 @@ def fake_profiler(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     calls = []
 
-    def profile(target, params, drafter, inner_params, batch_size, *, context, **_):
-        calls.append((batch_size, context))
-        return [0.001 * (1 + d) * (1 + context / 1000) for d in drafter.lengths]
+    def profile(target, params, drafter, inner_params, batch_size, *, context, width, **_):
+        calls.append((batch_size, width))
+        return [0.001 * (1 + d) * (1 + width / 1000) for d in drafter.lengths]
 
     monkeypatch.setattr(auto_costs, "profile_step_costs", profile)
     return calls
@@ -476,7 +476,7 @@ def costs_now(lines=None):
 def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
     lines = []
     first, drafter = costs_now(lines)
-    profiled = [(4, context) for context in auto_costs.CONTEXTS]
+    profiled = [(4, auto_costs.profile_width(drafter, c)) for c in auto_costs.CONTEXTS]
     assert fake_profiler == profiled and any("profiling the step costs" in line for line in lines)
     second, _ = costs_now()
     assert second == first and fake_profiler == profiled
@@ -506,8 +506,27 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
     path.write_text(content)
     with pytest.warns(UserWarning, match="profiling again"):
         (_, step_s), _ = costs_now()
-    assert fake_profiler == [(4, c) for c in auto_costs.CONTEXTS] * 2 and len(step_s[0]) == 4
+    assert fake_profiler == [(4, auto_costs.profile_width(drafter, c)) for c in auto_costs.CONTEXTS] * 2
+    assert len(step_s[0]) == 4
     assert json.loads(path.read_text())["key"] == key
+
+
+def test_the_wide_profile_caches_few_tokens_where_attention_reads_the_whole_buffer():
+    """XLA's attention costs what the cache width makes it cost, however much is filled: the
+    wide width is profiled over CONTEXT cached tokens; a Pallas kernel stops at each row's
+    length, so there (and for a target without a ModelConfig) the tokens are cached for real."""
+    cfg, _ = model()
+    wide = max(auto_costs.CONTEXTS)
+    assert cfg.attention_impl == "auto" and jax.default_backend() == "cpu"
+    assert auto_costs.cached_tokens(cfg, wide) == auto_costs.CONTEXT
+    assert auto_costs.cached_tokens(cfg, 16) == 16
+    assert auto_costs.cached_tokens(dataclasses.replace(cfg, attention_impl="pallas"), wide) == wide
+
+    class Opaque:  # a TargetModel without a cfg
+        vocab_size, eos_token_ids, max_position_embeddings = cfg.vocab_size, (), 64
+        init_cache = forward = None
+
+    assert auto_costs.cached_tokens(Opaque(), wide) == wide
 
 
 def test_costs_from_a_latency_profile():
@@ -554,7 +573,8 @@ def test_the_api_default_profiles_once_and_equals_plain_greedy(fake_profiler):
     cfg, params = model()
     out = generate_ids(cfg, params, PROMPTS, max_new_tokens=24, eos_ids=[], draft="ngram",
                        batch_size=2)
-    assert [r.token_ids for r in out] == plain() and fake_profiler == [(2, c) for c in auto_costs.CONTEXTS]
+    assert [r.token_ids for r in out] == plain()
+    assert [b for b, _ in fake_profiler] == [2] * len(auto_costs.CONTEXTS)
     assert histogram(out)
 
 

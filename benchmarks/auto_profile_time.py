@@ -51,7 +51,7 @@ def main() -> None:
     for context, tokens in zip(args.contexts, cached):
         phases: dict = {}
         start = time.perf_counter()
-        width = auto_costs.profile_width(drafter, context, args.steps)
+        width = auto_costs.profile_width(drafter, max(context, tokens), args.steps)
         step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
                                                args.batch_size, context=tokens, steps=args.steps,
                                                repeats=args.repeats, budget_s=args.budget_s,

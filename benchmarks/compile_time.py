@@ -56,7 +56,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.api import bucket, draft_margin
-from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.drafters.learned.drafting import drafter_params as head_params
 from specjax.drafters.learned.registry import (
     KINDS,
@@ -136,6 +135,9 @@ def build_auto(draft: str, model, loader):
     """(AutoDrafter, abstract AutoParams) of `num_draft="auto"` over the drafter of `draft`:
     the branches `auto_costs.auto_drafter` compiles (the plain step and `auto_lengths` chains
     up to what the drafter can draft), step costs as shapes (compiling reads no cost)."""
+    # here, not at the top: `--baseline REV` imports this module with older specjax revisions
+    from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
+
     probe, _ = build_drafter(draft, chain(1), model, loader)
     deepest = auto_max_draft(probe)
     inner, inner_params = build_drafter(draft, chain(deepest), model, loader)

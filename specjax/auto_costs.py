@@ -34,7 +34,9 @@ import numpy as np
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.kernels.dispatch import resolve_impl
 from specjax.loop import StopCriteria, spec_start_program
+from specjax.models.config import ModelConfig
 from specjax.models.hub import cache_dir
+from specjax.models.llama import Llama
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 from specjax.xla_options import current_options, program
@@ -122,17 +124,24 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
                                  sampling, criteria, branch=branch, steps=steps)
 
 
-def cached_tokens(target, context: int) -> int:
+def cached_tokens(target, context: int, drafter: AutoDrafter | None = None) -> int:
     """The tokens a profile for `context` caches before its timed steps: `context`, or at most
-    `CONTEXT` when the target's attention is the XLA path (`kernels.dispatch.resolve_impl`;
-    every attention on CPU): that reads the whole cache buffer, masked, however much of it is
-    filled, so a step costs what its program's width makes it cost, and prefilling 1024 tokens a
-    row only costs the profile time (most of a B = 8 profile's on CPU). The Pallas kernels stop
-    at each row's length: there the tokens are cached for real. A target without a
-    `ModelConfig` (`cfg`) is treated like a kernel's."""
-    cfg = getattr(as_target(target), "cfg", None)
-    impl = getattr(cfg, "attention_impl", None)
-    if impl is None or resolve_impl(impl, cfg.head_dim) != "xla":
+    `CONTEXT` when every attention a step runs is the XLA path (`kernels.dispatch.resolve_impl`:
+    the built-in Llama target's, and a draft model's when the drafter has one; the default on
+    CPU): that reads the whole cache buffer, masked, however much of it is filled, so a step
+    costs what its program's width makes it cost, and prefilling 1024 tokens a row only costs
+    the profile time (most of a B = 8 profile's on CPU). A Pallas kernel stops at each row's
+    length: there the tokens are cached for real, as they are for a target of another class
+    (its attention is its own). The learned heads' attention is always the XLA path
+    (`attention_over_parts`)."""
+    model = as_target(target)
+    if not isinstance(model, Llama):
+        return context
+    configs = [model.cfg]
+    inner = getattr(drafter, "inner", drafter)
+    if isinstance(getattr(inner, "cfg", None), ModelConfig):  # a draft model's own attention
+        configs.append(inner.cfg)
+    if any(resolve_impl(cfg.attention_impl, cfg.head_dim) != "xla" for cfg in configs):
         return context
     return min(context, CONTEXT)
 
@@ -238,7 +247,7 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
-    cached = [cached_tokens(target, c) for c in CONTEXTS]
+    cached = [cached_tokens(target, c, drafter) for c in CONTEXTS]
     log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
         f"{batch_size} on {key['device_kind']}, cache widths {' and '.join(map(str, key['widths']))} "
         f"({' and '.join(map(str, cached))} tokens cached; once per device, model, dtype and batch size)")

@@ -513,16 +513,25 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
 
 def test_the_wide_profile_caches_few_tokens_where_attention_reads_the_whole_buffer():
     """XLA's attention costs what the cache width makes it cost, however much is filled: the
-    wide width is profiled over CONTEXT cached tokens; a Pallas kernel stops at each row's
-    length, so there (and for a target without a ModelConfig) the tokens are cached for real."""
+    wide width is profiled over CONTEXT cached tokens. A Pallas kernel (the target's or a draft
+    model's) stops at each row's length, and a target of its own class has its own attention:
+    there the tokens are cached for real."""
     cfg, _ = model()
+    xla = dataclasses.replace(cfg, attention_impl="xla")
+    pallas = dataclasses.replace(cfg, attention_impl="pallas")
     wide = max(auto_costs.CONTEXTS)
-    assert cfg.attention_impl == "auto" and jax.default_backend() == "cpu"
-    assert auto_costs.cached_tokens(cfg, wide) == auto_costs.CONTEXT
-    assert auto_costs.cached_tokens(cfg, 16) == 16
-    assert auto_costs.cached_tokens(dataclasses.replace(cfg, attention_impl="pallas"), wide) == wide
+    assert auto_costs.cached_tokens(xla, wide) == auto_costs.CONTEXT
+    assert auto_costs.cached_tokens(xla, 16) == 16
+    assert auto_costs.cached_tokens(pallas, wide) == wide
+    ngram = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1))
+    assert auto_costs.cached_tokens(xla, wide, ngram) == auto_costs.CONTEXT
+    for draft_cfg, cached in ((xla, auto_costs.CONTEXT), (pallas, wide)):
+        drafter = AutoDrafter.wrap(DraftModelDrafter(tree=chain(1), cfg=draft_cfg), (0, 1))
+        assert auto_costs.cached_tokens(xla, wide, drafter) == cached
 
-    class Opaque:  # a TargetModel without a cfg
+    @dataclasses.dataclass(frozen=True)
+    class Opaque:  # a TargetModel of its own, carrying a ModelConfig it may not attend by
+        cfg: object = xla
         vocab_size, eos_token_ids, max_position_embeddings = cfg.vocab_size, (), 64
         init_cache = forward = None
 

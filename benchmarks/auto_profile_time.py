@@ -43,7 +43,7 @@ def main() -> None:
     model = load_model(args.model, dtype="float32")
     inner, inner_params = make_drafter(args.draft, tree=chain(8), target=model, auto=True)
     drafter = AutoDrafter.wrap(inner, auto_lengths(model.cfg.group_size, auto_max_draft(inner)))
-    cached = args.cached or [auto_costs.cached_tokens(model.cfg, c) for c in args.contexts]
+    cached = args.cached or [auto_costs.cached_tokens(model.cfg, c, drafter) for c in args.contexts]
     if len(cached) != len(args.contexts):
         p.error("--cached takes one number per context")
     rows = []

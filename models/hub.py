@@ -34,7 +34,8 @@ from specjax.models.config import ModelConfig, resolve_dtype
 from specjax.models.gguf_loader import config_from_gguf, params_from_gguf
 from specjax.models.gguf_reader import read_gguf
 from specjax.models.hf_loader import load_hf
-from specjax.models.quant import check_quantize, quantize_params
+from specjax.models.paths import cache_dir
+from specjax.models.quant import check_quantize, pack_params, quantize_params
 from specjax.models.tokenizer import Tokenizer
 
 PRESET_PACKAGE = "specjax.configs"
@@ -135,11 +136,6 @@ def read_preset(name: str) -> ModelPreset:
 # ---------------------------------------------------------------------------------------------
 # Cache and download
 # ---------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """`$SPECJAX_CACHE`, or `~/.cache/specjax`."""
-    return Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax").expanduser()
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
@@ -307,7 +303,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
     shardings: None (one device) or `specjax.sharding.loader_shardings(mesh)`: each weight is
     loaded straight into its shards (`checkpoint.assemble_params`).
     quantize: None, "int8", "int4" or "fp8": the layer kernels as qwix QArrays
-    (`models.quant`; checked before the file is read).
+    (`models.quant`; checked before the file is read), on one CPU device int8 / int4 ones as
+    `quant.PackedKernel`s (the CPU kernel's layout).
     """
     dtype = resolve_dtype(dtype)
     check_quantize(quantize)
@@ -324,4 +321,6 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32",
         tokenizer = _apply_chat_defaults(tokenizer, preset.chat)
     cfg = cfg.replace(eos_token_ids=tokenizer.eos_token_ids)
     params = quantize_params(params, quantize)
+    if shardings is None:
+        params = pack_params(params)  # the CPU kernel's layout where it applies
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path, preset=preset)

@@ -26,6 +26,7 @@ from flax import struct
 from specjax.kernels.dispatch import verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.quant import PackedKernel, packed_matmul
 
 Params = Any
 
@@ -96,7 +97,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """`nn.Dense`'s math and param names (`kernel [in, out]`, `bias [out]`); the kernel may be
-    a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`."""
+    a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`,
+    or a `quant.PackedKernel`, multiplied by the CPU kernel."""
 
     features: int
     use_bias: bool = False
@@ -104,11 +106,15 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [..., in] -> [..., out]
-        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features),
-                            self.dtype)
+        kernel = self.get_variable("params", "kernel")
+        if not isinstance(kernel, PackedKernel):  # (flax's shape check reads a pytree's first leaf)
+            kernel = self.param("kernel", nn.initializers.normal(0.02),
+                                (x.shape[-1], self.features), self.dtype)
         x = jnp.asarray(x, self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
-        if isinstance(kernel, qwix.QArray):
+        if isinstance(kernel, PackedKernel):
+            y = packed_matmul(x, kernel).astype(self.dtype)
+        elif isinstance(kernel, qwix.QArray):
             y = qwix.dot_general(x, kernel, dims).astype(self.dtype)
         else:
             y = jax.lax.dot_general(x, jnp.asarray(kernel, self.dtype), dims)
@@ -208,7 +214,12 @@ class LlamaModel(nn.Module):
         """Returns (final hidden `[B, T, H]`, k_new/v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)."""
         x = self.embed_tokens(tokens)
         cos, sin = rope_tables(self.cfg, positions)
-        x, (k_new, v_new, hiddens) = self.layers(x, k_cache, v_cache, cos, sin, lengths, tree_mask)
+        inputs = (x, k_cache, v_cache, cos, sin, lengths, tree_mask)
+        if self.is_initializing():  # nn.scan creates the stacked params
+            x, (k_new, v_new, hiddens) = self.layers(*inputs)
+        else:
+            x, (k_new, v_new, hiddens) = scan_layers(
+                self.cfg, self.collect_hidden, self.variables["params"]["layers"], *inputs)
         return self.norm(x), k_new, v_new, hiddens
 
     def logits(self, hidden):
@@ -222,6 +233,34 @@ class LlamaModel(nn.Module):
     def embed(self, tokens):
         """Token embeddings `[..., H]` in the model dtype."""
         return self.embed_tokens(tokens)
+
+
+def layer_params(layers: Params, index: jax.Array) -> Params:
+    """Layer `index` (int32 `[]`) of the stacked layer params: each array's slice, and each
+    `PackedKernel` the whole stack with its `layer` set (the CPU kernel reads it in place)."""
+
+    def one(leaf):
+        if isinstance(leaf, PackedKernel):
+            return dataclasses.replace(leaf, layer=index)
+        return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
+
+    return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, PackedKernel))
+
+
+def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cache, v_cache,
+                cos, sin, lengths, tree_mask):
+    """The decoder stack as one `lax.scan` over the layer index (what `nn.scan` computes, with
+    each layer's params taken by `layer_params`): x `[B, T, H]`, k_cache / v_cache `[L, ...]`
+    -> (x, (k_new, v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None))."""
+    layer = DecoderLayer(cfg, collect_hidden, parent=None)  # unbound: applied per layer
+
+    def body(x, inputs):
+        index, k_layer, v_layer = inputs
+        return layer.apply({"params": layer_params(layers, index)}, x, k_layer, v_layer,
+                           cos, sin, lengths, tree_mask)
+
+    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    return jax.lax.scan(body, x, (indices, k_cache, v_cache))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,16 @@ quantized kernel is a `qwix.QArray` in the same place of the tree: `qvalue [L, i
     fp8   per output channel      scale [L, 1, out]        (e4m3fn)
 
 and `models.llama.Linear` multiplies with `qwix.dot_general` (weight-only: the activations
-stay in the model dtype). `nn.scan` slices QArray leaves on their layer axis like any array.
+stay in the model dtype).
+
+On the CPU backend, int8 and int4 kernels of params on one device become `PackedKernel`s
+(`pack_params`: `hub.load_model` does it, and so does `sharding.shard_params` without a mesh,
+which every job's params pass): the values as int8 packed for the CPU kernel
+(`kernels.qmatmul_cpu`: `[L, N/16, K, 16]`), the scale as it was, multiplied by that kernel,
+which reads the int8 values in place from the whole stack (`PackedKernel.layer`: the layer loop
+hands each layer the stack and its index, `models.llama.scan_layers`). `unpack_params` gives
+the QArrays back (what sharding places). `SPECJAX_CPU_KERNELS=0`, or no C++ compiler, keeps
+the QArrays.
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import qwix
+
+from specjax.kernels import qmatmul_cpu
+from specjax.models.paths import cache_dir
 
 Params = Any
 #: block size of int4 along a kernel's input axis (GGUF Q4_0's block: those map exactly)
@@ -110,20 +122,124 @@ def quantize_params(params: Params, mode: str | None) -> Params:
 
     def convert(path, leaf):
         keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-        if isinstance(leaf, qwix.QArray) or not is_quantized_kernel(keys):
+        if is_quantized(leaf) or not is_quantized_kernel(keys):
             return leaf
         return _quantize_kernel_jit(leaf, spec, "/".join(("params",) + keys))
 
-    inner = jax.tree_util.tree_map_with_path(
-        convert, params["params"], is_leaf=lambda x: isinstance(x, qwix.QArray))
+    inner = jax.tree_util.tree_map_with_path(convert, params["params"], is_leaf=is_quantized)
     return {**params, "params": inner}
 
 
+# ---------------------------------------------------------------------------------------------
+# The CPU kernel's layout
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale", "layer"],
+                   meta_fields=["mode"])
+@dataclasses.dataclass(frozen=True)
+class PackedKernel:
+    """A quantized layer kernel in the CPU kernel's layout (`kernels.qmatmul_cpu`).
+
+    packed: int8 `[L, N/16, K, 16]` (int4 values held one a byte, as XLA CPU holds int4);
+    scale: f32 `[L, G, N]` (G = 1: per output channel; else one per K / G inputs);
+    layer: None for the stack as stored, or an int32 `[]` index: the layer `Linear` multiplies
+    by, read in place from the whole stack (`models.llama.scan_layers`);
+    mode: "int8" or "int4" (what `quantization_of` reports).
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+    layer: jax.Array | None = None
+    mode: str = "int8"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The kernel's own shape `[L, K, N]` (or `[K, N]` for one layer sliced off a stack)."""
+        *lead, nblocks, k, block = self.packed.shape
+        return (*lead, k, nblocks * block)
+
+
+def is_quantized(leaf) -> bool:
+    return isinstance(leaf, (qwix.QArray, PackedKernel))
+
+
+def cpu_kernel_reason() -> str | None:
+    """None when the CPU kernel is registered in this process, else why not."""
+    return qmatmul_cpu.available(cache_dir() / "kernels")
+
+
+def _on_one_cpu(array) -> bool:
+    sharding = getattr(array, "sharding", None)
+    return (sharding is not None and len(sharding.device_set) == 1
+            and next(iter(sharding.device_set)).platform == "cpu")
+
+
+def packs(leaf) -> bool:
+    """Whether `pack_params` packs this QArray: int8 / int4 without zero point, f32 scale, a
+    stacked `[L, K, N]` kernel with N a multiple of 16, on one CPU device."""
+    return (isinstance(leaf, qwix.QArray) and leaf.zero_point is None
+            and jnp.dtype(leaf.qtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4))
+            and leaf.qvalue.ndim == 3 and leaf.scale.ndim == 3
+            and leaf.scale.dtype == jnp.float32 and leaf.qvalue.shape[1] % leaf.scale.shape[1] == 0
+            and qmatmul_cpu.packable(leaf.qvalue.shape) and _on_one_cpu(leaf.qvalue))
+
+
+def pack_params(params: Params) -> Params:
+    """`params` with every QArray `packs` accepts a PackedKernel, when the CPU kernel is
+    available and `$SPECJAX_CPU_KERNELS` (read at each call) does not switch it off (else
+    unchanged)."""
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    if (qmatmul_cpu.switched_off() or not any(packs(leaf) for leaf in leaves)
+            or cpu_kernel_reason() is not None):
+        return params
+
+    def convert(leaf):
+        if not packs(leaf):
+            return leaf
+        mode = "int4" if jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4) else "int8"
+        return PackedKernel(_pack_jit(leaf.qvalue), leaf.scale, None, mode)
+
+    return jax.tree.map(convert, params, is_leaf=is_quantized)
+
+
+_pack_jit = jax.jit(qmatmul_cpu.pack)
+
+
+def unpack_params(params: Params) -> Params:
+    """`pack_params`' inverse: every PackedKernel a qwix QArray again (what sharding places)."""
+
+    def convert(leaf):
+        if not isinstance(leaf, PackedKernel):
+            return leaf
+        qtype = SPECS[leaf.mode].qtype
+        return qwix.QArray(qmatmul_cpu.unpack(leaf.packed).astype(qtype), leaf.scale, None, qtype)
+
+    return jax.tree.map(convert, params, is_leaf=is_quantized)
+
+
+def packed_matmul(x: jax.Array, kernel: PackedKernel) -> jax.Array:
+    """x `[..., K]` @ a PackedKernel -> f32 `[..., N]`: the CPU kernel (its jnp reference where
+    the kernel is not registered in this process). A kernel sliced off its stack (no layer
+    axis, `layer` None) is read as a stack of one."""
+    packed, scale, layer = kernel.packed, kernel.scale, kernel.layer
+    if layer is None:
+        if packed.ndim == 3:
+            packed, scale = packed[None], scale[None]
+        layer = 0
+    if cpu_kernel_reason() is None:
+        return qmatmul_cpu.qmatmul(x, packed, scale, layer)
+    return qmatmul_cpu.qmatmul_reference(x.astype(jnp.float32), packed, scale, layer)
+
+
 def quantization_of(params: Params) -> str | None:
-    """The mode of the first QArray leaf of `params` ("int8" / "int4" / "fp8"), None if none."""
+    """The mode of the first quantized kernel of `params` ("int8" / "int4" / "fp8"), None if
+    none."""
     if params is None:
         return None
-    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, qwix.QArray)):
+    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        if isinstance(leaf, PackedKernel):
+            return leaf.mode
         if isinstance(leaf, qwix.QArray):
             return next((m for m, s in SPECS.items() if jnp.dtype(s.qtype) == jnp.dtype(leaf.qtype)),
                         str(leaf.qtype))

@@ -35,8 +35,8 @@ from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_ma
 from specjax.kernels.dispatch import resolve_impl
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
-from specjax.models.hub import cache_dir
 from specjax.models.llama import Llama
+from specjax.models.paths import cache_dir
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 from specjax.xla_options import current_options, program

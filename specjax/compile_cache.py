@@ -4,7 +4,7 @@ later process loads them (a fraction of a second) instead of compiling them agai
 `use_compile_cache()` sets JAX up once per process, on the first use of the CLI or of
 `specjax.generate` / `generate_ids` (importing specjax changes nothing):
 
-- the folder is `specjax.models.hub.cache_dir() / "compile"` (`$SPECJAX_CACHE/compile`);
+- the folder is `specjax.models.paths.cache_dir() / "compile"` (`$SPECJAX_CACHE/compile`);
 - `SPECJAX_COMPILE_CACHE=0` (or `--no-compile-cache`, or `use_compile_cache(False)` before the
   first use) leaves it off;
 - a cache the user set up for JAX (`JAX_COMPILATION_CACHE_DIR`, `jax_compilation_cache_dir`) is
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.models.hub import cache_dir
+from specjax.models.paths import cache_dir
 
 try:  # JAX has no public hook for its cache object; without one, JAX's own file cache is used
     from jax._src import compilation_cache as jax_cache

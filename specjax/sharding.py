@@ -37,6 +37,7 @@ from specjax.errors import InputError
 from specjax.models.cache import KVCache
 from specjax.models.checkpoint import param_specs
 from specjax.models.config import ModelConfig
+from specjax.models.quant import pack_params, unpack_params
 
 AXES = ("dp", "tp")
 
@@ -313,12 +314,16 @@ def fetch(tree):
 def shard_params(params, mesh: Mesh | None, cfg: ModelConfig | None = None,
                  small_bytes: int = SMALL_LEAF_BYTES):
     """Params (a target's, a draft model's or a learned drafter's) placed on `mesh` by
-    LLAMA_RULES and the fallback; `cfg`: a Llama config to check tp against first. None mesh:
-    the params as they are."""
-    if mesh is None or params is None:
+    LLAMA_RULES and the fallback (quantized kernels as qwix QArrays); `cfg`: a Llama config to
+    check tp against first. None mesh: the params as they are, but int8 / int4 kernels on one
+    CPU device in the CPU kernel's layout (`quant.pack_params`)."""
+    if params is None:
         return params
+    if mesh is None:
+        return pack_params(params)
     if cfg is not None:
         check_model_divides(cfg, mesh)
+    params = unpack_params(params)
     specs = partition_specs(params, axis_size(mesh, "tp"), small_bytes=small_bytes)
     return place(params, named(mesh, specs))
 

@@ -1,0 +1,192 @@
+// Weight-only int8 matmul for XLA CPU, called through the XLA FFI (kernels/qmatmul_cpu.py).
+//
+//   y[m, n] = sum_k x[m, k] * w[layer, k, n] * s[layer, k / (K / G), n]
+//
+// x    f32 [M, K]                 (any leading shape; M = elements / K)
+// w    s8  [L, N / 16, K, 16]     the int8 kernel packed in column blocks of 16: block j holds
+//                                 columns [16 j, 16 j + 16) row after row, so one block is one
+//                                 contiguous stream of K * 16 bytes
+// s    f32 [L, G, N]              scales: one per output channel (G = 1) or per K / G inputs
+// layer s32 []                    which of the L stacked kernels (read in place: no slice copy)
+// y    f32 [M, N]
+//
+// Each output is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
+// thread that computes it: a row's result does not depend on the other rows (batch-invariant).
+// The weights are read once per 6-row tile of x; the tiles of one column block re-read it from
+// L1 / L2. Column blocks are split over the intra-op thread pool XLA hands to the call.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // columns per packed block (two 8-float vectors)
+constexpr int kMaxTile = 6;     // rows of x per pass: 2 x 6 accumulators + 2 weights + 1 x
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int8_t v8b __attribute__((vector_size(8)));
+
+inline v8f load_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#else
+  v8b bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, v8f);
+#endif
+}
+
+inline v8f load_f32(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_f32(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+struct Problem {
+  const float* x;      // [M, K]
+  const int8_t* w;     // [N / 16, K, 16] of the chosen layer
+  const float* s;      // [G, N] of the chosen layer
+  float* y;            // [M, N]
+  int64_t m, k, n, groups;
+};
+
+// Rows [m0, m0 + MT) x columns [16 jb, 16 jb + 16).
+template <int MT>
+void tile(const Problem& p, int64_t jb, int64_t m0) {
+  v8f acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = v8f{};
+  const int8_t* block = p.w + jb * p.k * kBlock;
+  const int64_t n0 = jb * kBlock;
+  const float* x = p.x + m0 * p.k;
+  if (p.groups == 1) {
+    for (int64_t k = 0; k < p.k; ++k) {
+      const v8f w0 = load_int8(block + k * kBlock), w1 = load_int8(block + k * kBlock + 8);
+      for (int r = 0; r < MT; ++r) {
+        const float xv = x[r * p.k + k];
+        acc[r][0] += xv * w0;
+        acc[r][1] += xv * w1;
+      }
+    }
+    const v8f s0 = load_f32(p.s + n0), s1 = load_f32(p.s + n0 + 8);
+    for (int r = 0; r < MT; ++r) {
+      acc[r][0] *= s0;
+      acc[r][1] *= s1;
+    }
+  } else {
+    const int64_t per_group = p.k / p.groups;
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const v8f s0 = load_f32(p.s + g * p.n + n0), s1 = load_f32(p.s + g * p.n + n0 + 8);
+      for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+        const v8f w0 = load_int8(block + k * kBlock) * s0;
+        const v8f w1 = load_int8(block + k * kBlock + 8) * s1;
+        for (int r = 0; r < MT; ++r) {
+          const float xv = x[r * p.k + k];
+          acc[r][0] += xv * w0;
+          acc[r][1] += xv * w1;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    store_f32(p.y + (m0 + r) * p.n + n0, acc[r][0]);
+    store_f32(p.y + (m0 + r) * p.n + n0 + 8, acc[r][1]);
+  }
+}
+
+void tile_rows(const Problem& p, int64_t jb, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile<1>(p, jb, m0);
+    case 2: return tile<2>(p, jb, m0);
+    case 3: return tile<3>(p, jb, m0);
+    case 4: return tile<4>(p, jb, m0);
+    case 5: return tile<5>(p, jb, m0);
+    default: return tile<6>(p, jb, m0);
+  }
+}
+
+// Column blocks [lo, hi), every row: the rows in ceil(M / 6) tiles of balanced size.
+void blocks(const Problem& p, int64_t lo, int64_t hi) {
+  const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
+  for (int64_t jb = lo; jb < hi; ++jb) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = p.m * t / tiles, m1 = p.m * (t + 1) / tiles;
+      tile_rows(p, jb, m0, m1 - m0);
+    }
+  }
+}
+
+int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
+  int64_t out = 1;
+  for (size_t i = from; i < to; ++i) out *= dims[i];
+  return out;
+}
+
+ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                       ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  const auto sd = s.dimensions();
+  if (wd.size() < 4 || sd.size() < 3)
+    return ffi::Error::InvalidArgument("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]");
+  const size_t wr = wd.size(), sr = sd.size();
+  if (wd[wr - 1] != kBlock || product(wd, 0, wr - 4) != 1 || product(sd, 0, sr - 3) != 1)
+    return ffi::Error::InvalidArgument("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]");
+  const int64_t L = wd[wr - 4], nblocks = wd[wr - 3], K = wd[wr - 2], N = nblocks * kBlock;
+  const int64_t G = sd[sr - 2];
+  if (sd[sr - 3] != L || sd[sr - 1] != N || G < 1 || K % G != 0)
+    return ffi::Error::InvalidArgument("qmatmul: scale shape does not match the kernel");
+  if (K == 0 || x.element_count() % K != 0)
+    return ffi::Error::InvalidArgument("qmatmul: x's last axis is not the kernel's input size");
+  const int64_t M = x.element_count() / K;
+  if (y->element_count() != M * N)
+    return ffi::Error::InvalidArgument("qmatmul: output size is not M x N");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("qmatmul: layer must be a scalar");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("qmatmul: layer index out of range");
+
+  const Problem p{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
+                  s.typed_data() + l * G * N, y->typed_data(), M, K, N, G};
+  if (M == 0) return ffi::Error::Success();
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
+  if (threads <= 1) {
+    blocks(p, 0, nblocks);
+    return ffi::Error::Success();
+  }
+  std::atomic<int64_t> pending(threads - 1);
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t lo = nblocks * t / threads, hi = nblocks * (t + 1) / threads;
+    pool.Schedule([&p, &pending, lo, hi] {
+      blocks(p, lo, hi);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  blocks(p, 0, nblocks / threads);
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8, QMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

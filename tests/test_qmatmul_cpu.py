@@ -1,0 +1,169 @@
+"""The CPU int8 matmul kernel (`kernels/qmatmul_cpu`) against its jnp reference and qwix.
+
+- packed layout: pack / unpack round trip; the dequantized stack equals qwix's dequantize;
+- the kernel equals the reference on random shapes (rows 0..13, ragged row tiles, per-channel
+  and block scales, every layer of a stack), and a row's result does not depend on the other
+  rows (bit for bit: each output is one sum in order);
+- a PackedKernel multiplies like the QArray it came from (`qwix.dot_general`);
+- it composes: jit, vmap over rows and over the layer index, grad in x and scale;
+- bad input is an error, never a wrong answer (a layer index out of range, shapes that do not
+  fit);
+- `pack_params` packs int8 / int4 kernels on one CPU device, leaves fp8 and kernels whose
+  output size is not a multiple of 16, `unpack_params` gives the QArrays back exactly, and
+  `SPECJAX_CPU_KERNELS=0` or a failed build keeps the QArrays (the XLA path);
+- the layer loop over the index (`llama.scan_layers`) computes what `nn.scan` computes, bit for
+  bit, on f32 params.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from helpers import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specjax.models.quant as quant
+from specjax.kernels import qmatmul_cpu
+from specjax.models.cache import init_cache
+from specjax.models.llama import LlamaModel, causal_mask, init_params, rope_tables, scan_layers
+
+pytestmark = pytest.mark.skipif(quant.cpu_kernel_reason() is not None,
+                                reason=f"CPU kernel unavailable: {quant.cpu_kernel_reason()}")
+
+
+def random_quantized(seed: int, layers: int, k: int, n: int, mode: str) -> qwix.QArray:
+    w = jax.random.normal(jax.random.PRNGKey(seed), (layers, k, n), jnp.float32)
+    return quant.quantize_kernel(w, quant.SPECS[mode])
+
+
+def rows(seed: int, shape) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(seed + 100), shape, jnp.float32)
+
+
+def test_pack_round_trips_and_dequantizes_like_qwix():
+    q = random_quantized(0, 3, 64, 48, "int4")
+    packed = qmatmul_cpu.pack(q.qvalue)
+    assert packed.shape == (3, 3, 64, 16) and packed.dtype == jnp.int8
+    np.testing.assert_array_equal(qmatmul_cpu.unpack(packed), q.qvalue.astype(jnp.int8))
+    np.testing.assert_array_equal(qmatmul_cpu.dequantize(packed, q.scale), qwix.dequantize(q))
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 3), k=st.sampled_from([32, 64, 96]), nblocks=st.integers(1, 4),
+       m=st.integers(0, 13), block_scales=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_equals_reference(layers, k, nblocks, m, block_scales, seed):
+    q = random_quantized(seed, layers, k, 16 * nblocks, "int4" if block_scales else "int8")
+    packed = qmatmul_cpu.pack(q.qvalue)
+    x = rows(seed, (m, k))
+    for layer in range(layers):
+        got = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, layer)
+        want = qmatmul_cpu.qmatmul_reference(x, packed, q.scale, layer)
+        assert got.shape == (m, 16 * nblocks)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want), initial=1)))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(mode):
+    q = random_quantized(1, 2, 96, 64, mode)
+    packed = qmatmul_cpu.pack(q.qvalue)
+    x = rows(1, (13, 96))
+    together = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 1)
+    for m in (1, 2, 5, 7):
+        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.qmatmul)(x[:m], packed, q.scale, 1),
+                                      together[:m])
+    np.testing.assert_array_equal(jax.jit(qmatmul_cpu.qmatmul)(x[7:8], packed, q.scale, 1),
+                                  together[7:8])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_packed_kernel_multiplies_like_its_qarray(mode):
+    q = random_quantized(2, 2, 64, 32, mode)
+    (kernel,) = jax.tree.leaves(quant.pack_params({"w": q}), is_leaf=quant.is_quantized)
+    assert isinstance(kernel, quant.PackedKernel) and kernel.mode == mode
+    assert kernel.shape == q.shape
+    x = rows(2, (2, 3, 64))
+    for layer in range(2):
+        one = jax.tree.map(lambda a, i=layer: a[i], q)
+        want = qwix.dot_general(x, one, (((2,), (0,)), ((), ())))
+        got = quant.packed_matmul(x, quant.PackedKernel(kernel.packed, kernel.scale, layer, mode))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_it_composes_with_vmap_and_grad():
+    q = random_quantized(3, 2, 32, 32, "int8")
+    packed, scale = qmatmul_cpu.pack(q.qvalue), q.scale
+    x = rows(3, (4, 3, 32))
+    ref = qmatmul_cpu.qmatmul_reference
+    by_rows = jax.jit(jax.vmap(lambda a: qmatmul_cpu.qmatmul(a, packed, scale, 1)))(x)
+    np.testing.assert_allclose(by_rows, ref(x, packed, scale, 1), rtol=1e-5, atol=1e-5)
+    by_layer = jax.jit(jax.vmap(lambda i: qmatmul_cpu.qmatmul(x[0], packed, scale, i)))(jnp.arange(2))
+    for i in range(2):
+        np.testing.assert_allclose(by_layer[i], ref(x[0], packed, scale, i), rtol=1e-5, atol=1e-5)
+
+    def loss(fn):
+        return lambda a, s: jnp.sum(jnp.sin(fn(a, packed, s, 0)))
+
+    got = jax.grad(loss(qmatmul_cpu.qmatmul), argnums=(0, 1))(x, scale)
+    want = jax.grad(loss(ref), argnums=(0, 1))(x, scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
+
+
+def test_bad_input_is_an_error():
+    q = random_quantized(4, 2, 32, 16, "int8")
+    packed = qmatmul_cpu.pack(q.qvalue)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
+        jax.jit(qmatmul_cpu.qmatmul)(rows(4, (1, 32)), packed, q.scale, 2).block_until_ready()
+    with pytest.raises(ValueError, match="do not fit"):
+        qmatmul_cpu.qmatmul(rows(4, (1, 48)), packed, q.scale, 0)
+
+
+def test_pack_params_packs_what_the_kernel_runs_and_unpacks_exactly(monkeypatch):
+    tree = {"int8": random_quantized(5, 2, 32, 48, "int8"),
+            "int4": random_quantized(5, 2, 64, 32, "int4"),
+            "fp8": random_quantized(5, 2, 32, 48, "fp8"),
+            "narrow": random_quantized(5, 2, 32, 24, "int8"),  # 24 outputs: not whole blocks
+            "float": jnp.ones((4, 4))}
+    packed = quant.pack_params(tree)
+    assert {k for k, v in packed.items() if isinstance(v, quant.PackedKernel)} == {"int8", "int4"}
+    assert packed["fp8"] is tree["fp8"] and packed["narrow"] is tree["narrow"]
+    assert quant.quantization_of({"w": packed["int4"]}) == "int4"
+    back = quant.unpack_params(packed)
+    for name in ("int8", "int4"):
+        assert back[name].qtype == tree[name].qtype
+        np.testing.assert_array_equal(back[name].qvalue, tree[name].qvalue)
+        np.testing.assert_array_equal(back[name].scale, tree[name].scale)
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")
+    assert quant.pack_params(tree) is tree
+
+
+def test_a_failed_build_keeps_the_xla_path(monkeypatch, tmp_path):
+    monkeypatch.setattr(qmatmul_cpu, "_state", {})
+    monkeypatch.setenv("CXX", "false")
+    reason = qmatmul_cpu.available(tmp_path)
+    assert reason is not None and "failed" in reason
+    tree = {"w": random_quantized(6, 2, 32, 32, "int8")}
+    monkeypatch.setattr(quant, "cpu_kernel_reason", lambda: reason)
+    assert quant.pack_params(tree) is tree
+
+
+def test_scan_layers_computes_what_nn_scan_computes():
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.PRNGKey(7))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    cache = init_cache(cfg, 2, 8)
+    lengths, mask = jnp.zeros(2, jnp.int32), causal_mask(2, 5)
+
+    def inputs(module):
+        cos, sin = rope_tables(cfg, positions)
+        return module.embed_tokens(tokens), cache.k, cache.v, cos, sin, lengths, mask
+
+    by_nn_scan = LlamaModel(cfg).apply(params, method=lambda m: m.layers(*inputs(m)))
+    by_index = LlamaModel(cfg).apply(params, method=lambda m: scan_layers(
+        cfg, False, m.variables["params"]["layers"], *inputs(m)))
+    for a, b in zip(jax.tree.leaves(by_nn_scan), jax.tree.leaves(by_index)):
+        np.testing.assert_array_equal(a, b)

@@ -1,8 +1,11 @@
 """Decoding against this machine's memory-bandwidth floor, side by side in one run.
 
 1. Streaming-read bandwidth of a >= 1 GB buffer, with numpy and with jnp (best of N sums).
-2. For each mode (f32, bf16, int8, int4): the bytes a B=1 decode step must read (weights at
-   their stored width + the KV cache at the mean length) / the bandwidth = the floor step time;
+2. For each mode (f32, bf16, int8, int4; `int8_xla` / `int4_xla`: the same weights multiplied
+   by XLA's path, qwix's dequantize + dot, instead of the CPU kernel: SPECJAX_CPU_KERNELS=0
+   while they run): the bytes a B=1 decode step must read (weights at their stored width, the
+   float LM head left out where an int8 one replaces it in the step, + the KV cache at the mean
+   length) / the bandwidth = the floor step time;
    the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
 3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
    on Spec-Bench summarization and on open chat (writing) prompts.
@@ -28,12 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax.kernels.qmatmul_cpu import ENV_SWITCH
 from specjax.measure.datasets import load_prompt_set, select_rows
-from specjax.models.quant import quantize_params
+from specjax.models.quant import HEAD, pack_params, quantize_params
 
 SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
 SETS = {"summarization": "summarization", "open_chat": "writing"}
 MODES = ("float32", "bfloat16", "int8", "int4")
+XLA_SUFFIX = "_xla"
 
 
 def numpy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -59,9 +64,13 @@ def _timed(fn) -> float:
 
 
 def stored_bytes(params) -> int:
-    """Bytes the arrays of `params` occupy as stored (int4 at one byte a value where the
-    backend unpacks it: XLA CPU does)."""
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    """Bytes a step reads of `params` as stored (int4 at one byte a value where the backend
+    unpacks it: XLA CPU does); with an int8 LM head (`quant.HEAD`) the float one it replaces
+    is left out (a tied embedding still counts: lookups read B rows of it, noise)."""
+    inner = params["params"]
+    if HEAD in inner:
+        inner = {k: v for k, v in inner.items() if k != "lm_head"}
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(inner))
 
 
 def kv_bytes(cfg, length: float) -> float:
@@ -74,8 +83,9 @@ def model_in(f32, mode: str):
     if mode == "bfloat16":
         return dataclasses.replace(f32, cfg=f32.cfg.replace(dtype="bfloat16"),
                                    params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), f32.params))
-    if mode in ("int8", "int4"):
-        return dataclasses.replace(f32, params=quantize_params(f32.params, mode))
+    if mode.removesuffix(XLA_SUFFIX) in ("int8", "int4"):
+        quantized = quantize_params(f32.params, mode.removesuffix(XLA_SUFFIX))
+        return dataclasses.replace(f32, params=pack_params(quantized))
     return f32
 
 
@@ -153,6 +163,7 @@ def main() -> None:
             for name, cat in SETS.items()}
     results: dict = {}
     for mode in args.modes:
+        os.environ[ENV_SWITCH] = "0" if mode.endswith(XLA_SUFFIX) else "1"
         model = model_in(f32, mode)
         weights = stored_bytes(model.params)
         for name, texts in sets.items():

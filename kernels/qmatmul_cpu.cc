@@ -13,12 +13,13 @@
 // Each output is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
 // thread that computes it: a row's result does not depend on the other rows (batch-invariant).
 // The weights are read once per 6-row tile of x; the tiles of one column block re-read it from
-// L1 / L2. Column blocks are split over the intra-op thread pool XLA hands to the call.
+// L1 / L2. Column blocks are shared out over the intra-op thread pool XLA hands to the call.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -129,6 +130,25 @@ void blocks(const Problem& p, int64_t lo, int64_t hi) {
   }
 }
 
+// The column blocks of one call, handed out in chunks to whichever thread asks next: the
+// calling thread and the helpers it scheduled on XLA's pool. Shared (heap) state, so a helper
+// the pool starts after the call has returned finds no chunk left and leaves.
+struct Work {
+  Problem p;
+  int64_t nblocks = 0, chunk = 1;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void run_chunks(Work& work) {
+  for (;;) {
+    const int64_t lo = work.next.fetch_add(work.chunk, std::memory_order_relaxed);
+    if (lo >= work.nblocks) return;
+    const int64_t hi = std::min(lo + work.chunk, work.nblocks);
+    blocks(work.p, lo, hi);
+    work.done.fetch_add(hi - lo, std::memory_order_release);
+  }
+}
+
 int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
   int64_t out = 1;
   for (size_t i = from; i < to; ++i) out *= dims[i];
@@ -159,24 +179,18 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("qmatmul: layer index out of range");
 
-  const Problem p{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
-                  s.typed_data() + l * G * N, y->typed_data(), M, K, N, G};
   if (M == 0) return ffi::Error::Success();
+  auto work = std::make_shared<Work>();
+  work->p = Problem{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
+                    s.typed_data() + l * G * N, y->typed_data(), M, K, N, G};
+  work->nblocks = nblocks;
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
-  if (threads <= 1) {
-    blocks(p, 0, nblocks);
-    return ffi::Error::Success();
-  }
-  std::atomic<int64_t> pending(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t lo = nblocks * t / threads, hi = nblocks * (t + 1) / threads;
-    pool.Schedule([&p, &pending, lo, hi] {
-      blocks(p, lo, hi);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  blocks(p, 0, nblocks / threads);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  work->chunk = std::max<int64_t>(1, nblocks / (4 * threads));
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_chunks(*work); });
+  run_chunks(*work);
+  // Only chunks other threads took are left, and those threads are running them: waiting for
+  // them cannot deadlock (a helper that starts later finds nothing left and touches nothing).
+  while (work->done.load(std::memory_order_acquire) < nblocks) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

@@ -87,8 +87,8 @@ def dequantize(packed: jax.Array, scale: jax.Array) -> jax.Array:
 def qmatmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array,
                       layer: jax.Array | int) -> jax.Array:
     """x f32 `[..., K]` @ the dequantized kernel `layer` -> f32 `[..., N]` (jnp, f32 products)."""
-    weight = jax.lax.dynamic_index_in_dim(dequantize(packed, scale), layer, keepdims=False)
-    return jnp.matmul(x, weight, precision=jax.lax.Precision.HIGHEST)
+    one = [jax.lax.dynamic_index_in_dim(a, layer, keepdims=True) for a in (packed, scale)]
+    return jnp.matmul(x, dequantize(*one)[0], precision=jax.lax.Precision.HIGHEST)
 
 
 def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:

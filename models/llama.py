@@ -26,7 +26,7 @@ from flax import struct
 from specjax.kernels.dispatch import verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.quant import PackedKernel, packed_matmul
+from specjax.models.quant import HEAD, PackedKernel, packed_matmul
 
 Params = Any
 
@@ -209,6 +209,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _dense(cfg.vocab_size, "lm_head", dtype)
+        self.quantized_head = _dense(cfg.vocab_size, HEAD, dtype)  # used when params hold one
 
     def __call__(self, tokens, positions, k_cache, v_cache, lengths, tree_mask):
         """Returns (final hidden `[B, T, H]`, k_new/v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)."""
@@ -224,7 +225,9 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden):
         """`[..., H]` -> f32 logits `[..., V]`."""
-        if self.cfg.tie_word_embeddings:
+        if HEAD in self.variables.get("params", {}):  # an int8 head (`models.quant`)
+            out = self.quantized_head(hidden)
+        elif self.cfg.tie_word_embeddings:
             out = self.embed_tokens.attend(hidden)
         else:
             out = self.lm_head(hidden)

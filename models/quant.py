@@ -42,6 +42,10 @@ from specjax.models.paths import cache_dir
 Params = Any
 #: block size of int4 along a kernel's input axis (GGUF Q4_0's block: those map exactly)
 INT4_BLOCK = 32
+#: the params key of the int8 LM head the int8 / int4 modes add (`quantize_head`)
+HEAD = "quantized_head"
+#: the modes that add it (fp8 leaves the head as it is)
+HEAD_MODES = ("int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,17 @@ def quantize_params(params: Params, mode: str | None) -> Params:
         return _quantize_kernel_jit(leaf, spec, "/".join(("params",) + keys))
 
     inner = jax.tree_util.tree_map_with_path(convert, params["params"], is_leaf=is_quantized)
+    if spec.mode in HEAD_MODES and HEAD not in inner:
+        inner[HEAD] = {"kernel": _quantize_kernel_jit(head_kernel(inner), SPECS["int8"], HEAD)}
     return {**params, "params": inner}
+
+
+def head_kernel(inner: Params) -> jax.Array:
+    """The float LM head `[H, V]` of params' inner dict: `lm_head`'s kernel, or the tied
+    embedding transposed."""
+    if "lm_head" in inner:
+        return inner["lm_head"]["kernel"]
+    return inner["embed_tokens"]["embedding"].T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +155,9 @@ def quantize_params(params: Params, mode: str | None) -> Params:
 class PackedKernel:
     """A quantized layer kernel in the CPU kernel's layout (`kernels.qmatmul_cpu`).
 
-    packed: int8 `[L, N/16, K, 16]` (int4 values held one a byte, as XLA CPU holds int4);
-    scale: f32 `[L, G, N]` (G = 1: per output channel; else one per K / G inputs);
+    packed: int8 `[L, N/16, K, 16]` (int4 values held one a byte, as XLA CPU holds int4), or
+    `[N/16, K, 16]` for a single kernel (the LM head);
+    scale: f32 `[L, G, N]` (G = 1: per output channel; else one per K / G inputs), or `[G, N]`;
     layer: None for the stack as stored, or an int32 `[]` index: the layer `Linear` multiplies
     by, read in place from the whole stack (`models.llama.scan_layers`);
     mode: "int8" or "int4" (what `quantization_of` reports).
@@ -177,10 +192,10 @@ def _on_one_cpu(array) -> bool:
 
 def packs(leaf) -> bool:
     """Whether `pack_params` packs this QArray: int8 / int4 without zero point, f32 scale, a
-    stacked `[L, K, N]` kernel with N a multiple of 16, on one CPU device."""
+    stacked `[L, K, N]` or a single `[K, N]` kernel with N a multiple of 16, on one CPU device."""
     return (isinstance(leaf, qwix.QArray) and leaf.zero_point is None
             and jnp.dtype(leaf.qtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4))
-            and leaf.qvalue.ndim == 3 and leaf.scale.ndim == 3
+            and leaf.qvalue.ndim in (2, 3) and leaf.scale.ndim == leaf.qvalue.ndim
             and leaf.scale.dtype == jnp.float32 and leaf.qvalue.shape[1] % leaf.scale.shape[1] == 0
             and qmatmul_cpu.packable(leaf.qvalue.shape) and _on_one_cpu(leaf.qvalue))
 
@@ -203,7 +218,18 @@ def pack_params(params: Params) -> Params:
     return jax.tree.map(convert, params, is_leaf=is_quantized)
 
 
-_pack_jit = jax.jit(qmatmul_cpu.pack)
+@jax.jit
+def _pack_jit(values: jax.Array) -> jax.Array:
+    """`qmatmul_cpu.pack` of a stacked `[L, K, N]` or a single `[K, N]` kernel."""
+    if values.ndim == 2:
+        return qmatmul_cpu.pack(values[None])[0]
+    return qmatmul_cpu.pack(values)
+
+
+def _unpack(packed: jax.Array) -> jax.Array:
+    if packed.ndim == 3:
+        return qmatmul_cpu.unpack(packed[None])[0]
+    return qmatmul_cpu.unpack(packed)
 
 
 def unpack_params(params: Params) -> Params:
@@ -213,7 +239,7 @@ def unpack_params(params: Params) -> Params:
         if not isinstance(leaf, PackedKernel):
             return leaf
         qtype = SPECS[leaf.mode].qtype
-        return qwix.QArray(qmatmul_cpu.unpack(leaf.packed).astype(qtype), leaf.scale, None, qtype)
+        return qwix.QArray(_unpack(leaf.packed).astype(qtype), leaf.scale, None, qtype)
 
     return jax.tree.map(convert, params, is_leaf=is_quantized)
 

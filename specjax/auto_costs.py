@@ -37,6 +37,7 @@ from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama
 from specjax.models.paths import cache_dir
+from specjax.models.quant import PackedKernel, is_quantized, quantization_of
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 from specjax.xla_options import current_options, program
@@ -66,14 +67,24 @@ def costs_folder() -> Path:
     return cache_dir() / "step_costs"
 
 
-def cost_key(target, drafter: AutoDrafter, batch_size: int) -> dict:
+def weights_of(params) -> str:
+    """How the weights are held, as far as a step's cost goes: "float", or the quantization mode,
+    with "/cpu-kernel" where the CPU kernel multiplies them (`quant.PackedKernel`)."""
+    mode = quantization_of(params)
+    packed = any(isinstance(leaf, PackedKernel)
+                 for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
+    return (mode or "float") + ("/cpu-kernel" if packed else "")
+
+
+def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
-    config), the drafter, the branches, the batch size and the profiled cache widths (JSON-able,
-    compared whole on load)."""
+    config and how its weights are held), the drafter, the branches, the batch size and the
+    profiled cache widths (JSON-able, compared whole on load)."""
     device = jax.devices()[0]
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
-            "model": repr(target), "drafter": repr(drafter.inner), "lengths": list(drafter.lengths),
+            "model": repr(target), "weights": weights_of(params), "drafter": repr(drafter.inner),
+            "lengths": list(drafter.lengths),
             "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 
@@ -239,7 +250,7 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
                log: Callable[[str], None] = stderr_line) -> tuple[list[int], list[list[float]]]:
     """(the profiled cache widths `[K]`, `[K][S]` the branches' step seconds at each): the
     cached ones, else measured at each of `CONTEXTS` (and cached)."""
-    key = cost_key(target, drafter, batch_size)
+    key = cost_key(target, drafter, batch_size, params)
     path = cost_path(key)
     step_s, problem = cached_costs(path, key)
     if step_s is not None:

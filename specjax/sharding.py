@@ -67,6 +67,7 @@ LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"norm/scale", P()),  # final norm
     (r"embed_tokens/embedding", P("tp", None)),  # [V, H]: vocabulary
     (r"lm_head/kernel", P(None, "tp")),  # [H, V]: vocabulary
+    (r"quantized_head/kernel", P(None, "tp")),  # [H, V]: the int8 LM head (models.quant)
 )
 
 

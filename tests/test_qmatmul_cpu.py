@@ -167,3 +167,21 @@ def test_scan_layers_computes_what_nn_scan_computes():
         cfg, False, m.variables["params"]["layers"], *inputs(m)))
     for a, b in zip(jax.tree.leaves(by_nn_scan), jax.tree.leaves(by_index)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_int8_and_int4_add_an_int8_head_the_logits_read():
+    """int8 / int4 add an int8 LM head (per vocabulary entry) from the tied embedding or the
+    untied head; fp8 adds none; the target's logits are the int8 head's product."""
+    for tied in (True, False):
+        cfg = tiny_config(tie_word_embeddings=tied)
+        f32 = init_params(cfg, jax.random.PRNGKey(8))
+        head = quant.head_kernel(f32["params"])
+        assert head.shape == (cfg.hidden_size, cfg.vocab_size)
+        for mode in ("int8", "int4"):
+            q = quant.quantize_params(f32, mode)
+            kernel = q["params"][quant.HEAD]["kernel"]
+            assert kernel.qvalue.dtype == jnp.int8 and kernel.scale.shape == (1, cfg.vocab_size)
+            hidden = rows(8, (3, cfg.hidden_size))
+            logits = LlamaModel(cfg).apply(quant.pack_params(q), hidden, method=LlamaModel.logits)
+            np.testing.assert_allclose(logits, hidden @ qwix.dequantize(kernel), rtol=1e-5, atol=1e-5)
+        assert quant.HEAD not in quant.quantize_params(f32, "fp8")["params"]

@@ -8,7 +8,8 @@
    length) / the bandwidth = the floor step time;
    the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
 3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
-   on Spec-Bench summarization and on open chat (writing) prompts.
+   on Spec-Bench summarization and on open chat (writing) prompts (`--num-draft`: a chain of 4
+   by default, or auto).
 4. llama.cpp: run through llama-cpp-python when it imports (the shipped Q4_1 GGUF, the same
    prompt token ids and threads, greedy, prefill excluded as for specjax), else the column
    holds the reason. llama-cpp-python is a benchmark dependency, built from its sdist (cmake +
@@ -65,11 +66,11 @@ def _timed(fn) -> float:
 
 def stored_bytes(params) -> int:
     """Bytes a step reads of `params` as stored (int4 at one byte a value where the backend
-    unpacks it: XLA CPU does); with an int8 LM head (`quant.HEAD`) the float one it replaces
-    is left out (a tied embedding still counts: lookups read B rows of it, noise)."""
+    unpacks it: XLA CPU does). With an int8 LM head (`quant.HEAD`) the float head it replaces
+    is left out: `lm_head`, or a tied embedding (the lookups read B of its rows)."""
     inner = params["params"]
     if HEAD in inner:
-        inner = {k: v for k, v in inner.items() if k != "lm_head"}
+        inner = {k: v for k, v in inner.items() if k not in ("lm_head", "embed_tokens")}
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(inner))
 
 
@@ -89,7 +90,7 @@ def model_in(f32, mode: str):
     return f32
 
 
-def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int = 4) -> dict:
+def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int | str = 4) -> dict:
     """tokens/s (decode only, compile and prefill excluded) of B=1 generations of `prompts`
     (static batches: a refilled slot's prefill runs inside the decode loop, so its time would
     count as decoding)."""
@@ -148,6 +149,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--drafts", nargs="*", default=["ngram", "suffix"])
+    ap.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=4,
+                    help="the drafters' draft length: an int (a chain), or auto (picked per step)")
     ap.add_argument("--bandwidth-gb", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -171,7 +174,8 @@ def main() -> None:
             ar = decode_rate(model, prompts, args.max_new)
             step_bytes = weights + kv_bytes(model.cfg, ar["mean_length"])
             floor_ms = 1e3 * step_bytes / (floor_gb_s * 1e9)
-            drafted = {d: decode_rate(model, prompts, args.max_new, draft=d) for d in args.drafts}
+            drafted = {d: decode_rate(model, prompts, args.max_new, draft=d, num_draft=args.num_draft)
+                       for d in args.drafts}
             best = max(drafted, key=lambda d: drafted[d]["tokens_per_s"]) if drafted else None
             results.setdefault(mode, {})[name] = {
                 "weight_bytes": weights, "step_bytes": int(step_bytes),

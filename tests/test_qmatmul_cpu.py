@@ -185,3 +185,12 @@ def test_int8_and_int4_add_an_int8_head_the_logits_read():
             logits = LlamaModel(cfg).apply(quant.pack_params(q), hidden, method=LlamaModel.logits)
             np.testing.assert_allclose(logits, hidden @ qwix.dequantize(kernel), rtol=1e-5, atol=1e-5)
         assert quant.HEAD not in quant.quantize_params(f32, "fp8")["params"]
+
+
+def test_auto_step_costs_are_kept_apart_by_how_the_weights_are_held():
+    from specjax.auto_costs import weights_of  # the api layer: only this test needs it
+
+    f32 = init_params(tiny_config(), jax.random.PRNGKey(9))
+    q = quant.quantize_params(f32, "int8")
+    assert [weights_of(p) for p in (f32, q, quant.pack_params(q))] == [
+        "float", "int8", "int8/cpu-kernel"]

@@ -1,7 +1,8 @@
 """Llama-family decoder in Flax linen: GQA, rotate-half RoPE, RMSNorm, SwiGLU, tied or separate head.
 
-The layers are one `nn.scan` (params stacked on a leading layer axis), so compile time does not
-grow with depth. The forward is pure:
+The layers' params are stacked on a leading layer axis (created by one `nn.scan`) and run as
+one `lax.scan` over the layer index (`scan_layers`), so compile time does not grow with depth
+and the CPU matmul kernel reads a quantized layer in place from the stack. The forward is pure:
 
     out = forward(cfg, params, tokens [B, T], positions [B, T], cache, tree_mask [B, T, T])
 

@@ -14,6 +14,9 @@
    prompt token ids and threads, greedy, prefill excluded as for specjax), else the column
    holds the reason. llama-cpp-python is a benchmark dependency, built from its sdist (cmake +
    g++; on a CPU that reports AMX build it without: docs/quantization.md has the flags).
+5. Hugging Face transformers (the `hf` extra: torch CPU) on the same GGUF loaded in f32: plain
+   greedy, its prompt lookup drafting, and torch's dynamic int8 quantization (`HF_VARIANTS`),
+   same token ids and threads, prefill excluded; `--no-hf` skips it.
 
     .venv/bin/python benchmarks/cpu_floor.py --prompts-per-set 2 --max-new 64 \
         --out benchmarks/results/cpu_floor_smollm2.json
@@ -141,6 +144,52 @@ def llama_cpp_rate(gguf_path: str, prompts: list[list[int]], max_new: int, threa
             "new_tokens": int(tokens), "threads": threads, "version": llama_cpp.__version__}
 
 
+#: the Hugging Face transformers runs: f32 greedy; with its prompt lookup drafting (its n-gram
+#: drafter, 4 tokens); int8 by torch's dynamic quantization of the Linear layers (W8A8: what a
+#: torch user on CPU gets for int8; not weight-only, so not the same numbers as specjax int8)
+HF_VARIANTS = ("f32", "f32_prompt_lookup", "int8_dynamic")
+
+
+def hf_rates(gguf_path: str, prompts: list[list[int]], max_new: int, threads: int,
+             eos_ids) -> dict | str:
+    """Hugging Face transformers greedy decoding (torch CPU, `threads` threads) over the same
+    token ids, per `HF_VARIANTS`, or why it did not run. Counted as specjax's `decode_rate`
+    counts: the new tokens over the seconds after the first one (a 1-token generate of the
+    same prompt, timed just before, is the prefill)."""
+    try:
+        import torch  # the optional `hf` extra (torch CPU wheel), not installed by .[dev]
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        return f"not run: the hf extra does not import ({e})"
+    torch.set_num_threads(threads)
+    folder, name = os.path.split(gguf_path)
+    f32 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+    models = {"f32": f32, "f32_prompt_lookup": f32,
+              "int8_dynamic": torch.ao.quantization.quantize_dynamic(f32, {torch.nn.Linear}, dtype=torch.qint8)}
+    extra = {"f32_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+
+    def generate(model, ids, new, **kw):
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                 eos_token_id=list(eos_ids), pad_token_id=0, **kw)
+        return out.shape[1] - x.shape[1], time.perf_counter() - t0
+
+    results = {}
+    for variant in HF_VARIANTS:
+        model, kw = models[variant], extra.get(variant, {})
+        generate(model, prompts[0], 4, **kw)  # warm-up
+        tokens = seconds = 0.0
+        for ids in prompts:
+            _, prefill = generate(model, ids, 1, **kw)
+            count, total = generate(model, ids, max_new, **kw)
+            tokens += count
+            seconds += max(total - prefill, 1e-9)
+        results[variant] = {"tokens_per_s": round(tokens / seconds, 2), "new_tokens": int(tokens)}
+    return results | {"threads": threads, "torch": torch.__version__}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -153,6 +202,8 @@ def main() -> None:
                     help="the drafters' draft length: an int (a chain), or auto (picked per step)")
     ap.add_argument("--bandwidth-gb", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-hf", dest="hf", action="store_false",
+                    help="skip the Hugging Face transformers runs (the hf extra)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     nbytes = int(args.bandwidth_gb * 1e9)
@@ -188,9 +239,13 @@ def main() -> None:
                                   args.max_new, os.cpu_count() or 1, f32.cfg.eos_token_ids)
              for name, texts in sets.items()}
     print("llama.cpp", llama, flush=True)
+    hf = {name: hf_rates(gguf, [f32.tokenizer.encode_chat(t) for t in texts], args.max_new,
+                         os.cpu_count() or 1, f32.cfg.eos_token_ids)
+          for name, texts in sets.items()} if args.hf else "not run (--no-hf)"
+    print("hf transformers", hf, flush=True)
     report = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
               "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "bandwidth": bandwidth,
-              "specjax": results, "llama_cpp": llama, "hf_transformers": "not run (time box)"}
+              "specjax": results, "llama_cpp": llama, "hf_transformers": hf}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

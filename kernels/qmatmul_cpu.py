@@ -13,38 +13,25 @@ int8 weights in place, once per 6 rows of x, from the whole stack at `layer` (no
 packed in column blocks of 16 so each block is one contiguous stream (`kernels/qmatmul_cpu.cc`).
 Each output is one f32 sum over k in order, the same whatever the number of rows.
 
-The source is compiled on first use with the machine's C++ compiler (`-O3 -march=native`,
-the XLA FFI headers jaxlib ships) into `folder` (`$SPECJAX_CACHE/kernels`), keyed by a hash of
-the source, the flags, the compiler and the CPU, and registered with XLA once per process.
-`SPECJAX_CPU_KERNELS=0` switches it off; without a compiler, or when the build fails, the
-callers keep XLA's path (`available()` says why).
+The source is compiled on first use (`kernels.cpu_ffi`: `-O3 -march=native`, cached in
+`$SPECJAX_CACHE/kernels`). `SPECJAX_CPU_KERNELS=0` switches it off; without a compiler, or when
+the build fails, the callers keep XLA's path (`available()` says why).
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from specjax.kernels import cpu_ffi
+from specjax.kernels.cpu_ffi import ENV_SWITCH, switched_off  # noqa: F401 (this kernel's switch)
 
 #: columns per packed block
 BLOCK = 16
 #: the FFI target's name
 TARGET = "specjax_qmatmul_int8"
 SOURCE = Path(__file__).with_name("qmatmul_cpu.cc")
-#: the environment variable that switches the kernel off ("0", "false", "no", "off")
-ENV_SWITCH = "SPECJAX_CPU_KERNELS"
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-march=native", "-fno-math-errno")
-
-_lock = threading.Lock()
-_state: dict[str, str | None] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,82 +126,7 @@ def _qmatmul_bwd(residuals, grad):
 _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 
 
-# ---------------------------------------------------------------------------------------------
-# Building and registering
-# ---------------------------------------------------------------------------------------------
-
-
-def switched_off(environ=os.environ) -> bool:
-    return environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
-
-
-def compiler() -> str | None:
-    """The C++ compiler: `$CXX`, else the first of c++ / g++ / clang++ on the PATH."""
-    named = os.environ.get("CXX")
-    if named:
-        return shutil.which(named)
-    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(keep))
-
-
-def library_name(cxx: str) -> str:
-    """The cached library's file name: a hash of source, flags, compiler, CPU and headers."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
-                 _cpu_identity().encode(), jax.ffi.include_dir().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return f"qmatmul_cpu-{digest.hexdigest()[:16]}.so"
-
-
-def build(folder: Path) -> Path:
-    """The compiled library in `folder` (compiled now if not there yet; written atomically, so
-    processes building at once each end with a whole file). RuntimeError naming the reason."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    target = folder / library_name(cxx)
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=folder)
-    os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", temp]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        Path(temp).unlink(missing_ok=True)
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {last}")
-    os.replace(temp, target)
-    return target
-
-
 def available(folder: Path) -> str | None:
     """None when the kernel is registered with XLA (built into `folder` if needed, once per
     process), else the reason it is not (switched off, no compiler, a failed build)."""
-    with _lock:
-        if "reason" not in _state:
-            _state["reason"] = _register(folder)
-        return _state["reason"]
-
-
-def _register(folder: Path) -> str | None:
-    if switched_off():
-        return f"{ENV_SWITCH}=0"
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build(folder)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxQMatmulInt8),
-                                    platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as err:
-        return str(err)
-    return None
+    return cpu_ffi.available(SOURCE, {TARGET: "SpecjaxQMatmulInt8"}, folder)

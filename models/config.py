@@ -7,7 +7,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-AttentionImpl = Literal["auto", "pallas", "pallas_tpu", "xla"]  # kernels/dispatch.py
+AttentionImpl = Literal["auto", "pallas", "pallas_tpu", "cpu", "xla"]  # kernels/dispatch.py
 DTYPES = ("float32", "bfloat16", "float16")
 #: backends where "auto" means bfloat16 (fast matmuls in bf16, f32 accumulation)
 BF16_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
@@ -71,9 +71,9 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}: use float32, bfloat16 or float16")
-        if self.attention_impl not in ("auto", "pallas", "pallas_tpu", "xla"):
+        if self.attention_impl not in ("auto", "pallas", "pallas_tpu", "cpu", "xla"):
             raise ValueError(
-                f"attention_impl must be auto, pallas, pallas_tpu or xla, not {self.attention_impl!r}"
+                f"attention_impl must be auto, pallas, pallas_tpu, cpu or xla, not {self.attention_impl!r}"
             )
 
     @property

@@ -24,9 +24,11 @@ import jax.numpy as jnp
 import qwix
 from flax import struct
 
-from specjax.kernels.dispatch import verify_attention
+from specjax.kernels import attention_cpu, cpu_ffi
+from specjax.kernels.dispatch import resolve_impl, verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.paths import cache_dir
 from specjax.models.quant import HEAD, PackedKernel, packed_matmul
 
 Params = Any
@@ -133,8 +135,9 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask):
-        """x `[B, T, H]`; one layer of the cache: k_cache `[B, KVH, Dh, S]`, v_cache `[B, KVH, S, Dh]`
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None):
+        """x `[B, T, H]`; one layer of the cache: k_cache `[B, KVH, Dh, S]`, v_cache `[B, KVH, S, Dh]`,
+        or with `layer` (int32 `[]`) the whole stack `[L, ...]` and the layer's index
         -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
         cfg = self.cfg
         dtype = cfg.jnp_dtype
@@ -151,7 +154,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attn = verify_attention(
-            q, k, v, k_cache, v_cache, lengths, tree_mask, impl=cfg.attention_impl
+            q, k, v, k_cache, v_cache, lengths, tree_mask, impl=attention_impl(cfg), layer=layer
         )
         out = _dense(cfg.hidden_size, "o_proj", dtype)(attn.reshape(batch, seq, -1))
         return out, k, v
@@ -174,12 +177,12 @@ class DecoderLayer(nn.Module):
     collect_hidden: bool = False
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask):
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None):
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         attn_out, k_new, v_new = Attention(cfg, name="self_attn")(
             RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x),
-            k_cache, v_cache, cos, sin, lengths, tree_mask,
+            k_cache, v_cache, cos, sin, lengths, tree_mask, layer,
         )
         x = x + attn_out
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
@@ -239,6 +242,35 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(tokens)
 
 
+def attention_impl(cfg: ModelConfig) -> str:
+    """The attention that runs for `cfg` (`kernels.dispatch.resolve_impl`, and the CPU kernel):
+    'auto' is the CPU kernel (`kernels.attention_cpu`) on the CPU backend with one device and an
+    f32 model when it is available, else what `resolve_impl` picks; 'cpu' asks for it (an error
+    where it cannot run)."""
+    impl = resolve_impl(cfg.attention_impl, cfg.head_dim)
+    if impl == "cpu" or (impl == "xla" and cfg.attention_impl == "auto"):
+        reason = cpu_attention_reason(cfg)
+        if reason is None:
+            return "cpu"
+        if impl == "cpu":
+            raise ValueError(f"attention_impl='cpu' cannot run here: {reason}")
+        return "xla"
+    return impl
+
+
+def cpu_attention_reason(cfg: ModelConfig) -> str | None:
+    """None when the CPU attention kernel can run `cfg`'s attention, else why not."""
+    if cpu_ffi.switched_off():  # read at each trace, as `quant.pack_params` reads it
+        return f"{cpu_ffi.ENV_SWITCH}=0"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    if jax.device_count() != 1:  # the kernel has no partitioning rule: a mesh keeps XLA's path
+        return f"{jax.device_count()} devices (the kernel runs on one)"
+    if cfg.jnp_dtype != jnp.float32:
+        return f"a {cfg.dtype} model (the kernel reads an f32 cache)"
+    return attention_cpu.available(cache_dir() / "kernels")
+
+
 def layer_params(layers: Params, index: jax.Array) -> Params:
     """Layer `index` (int32 `[]`) of the stacked layer params: each array's slice, and each
     `PackedKernel` the whole stack with its `layer` set (the CPU kernel reads it in place)."""
@@ -255,16 +287,22 @@ def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cac
                 cos, sin, lengths, tree_mask):
     """The decoder stack as one `lax.scan` over the layer index (what `nn.scan` computes, with
     each layer's params taken by `layer_params`): x `[B, T, H]`, k_cache / v_cache `[L, ...]`
-    -> (x, (k_new, v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None))."""
+    -> (x, (k_new, v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)).
+
+    Where the CPU attention kernel runs (`attention_impl`), each layer gets the whole cache
+    stack and its index, read in place; elsewhere its slice (what a scanned input would be)."""
     layer = DecoderLayer(cfg, collect_hidden, parent=None)  # unbound: applied per layer
+    in_place = attention_impl(cfg) == "cpu"
 
-    def body(x, inputs):
-        index, k_layer, v_layer = inputs
-        return layer.apply({"params": layer_params(layers, index)}, x, k_layer, v_layer,
-                           cos, sin, lengths, tree_mask)
+    def body(x, index):
+        if in_place:
+            caches = (k_cache, v_cache, cos, sin, lengths, tree_mask, index)
+        else:
+            caches = (*(jax.lax.dynamic_index_in_dim(c, index, keepdims=False) for c in (k_cache, v_cache)),
+                      cos, sin, lengths, tree_mask)
+        return layer.apply({"params": layer_params(layers, index)}, x, *caches)
 
-    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    return jax.lax.scan(body, x, (indices, k_cache, v_cache))
+    return jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------

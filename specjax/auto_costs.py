@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
-from specjax.kernels.dispatch import resolve_impl
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
-from specjax.models.llama import Llama
+from specjax.models.llama import Llama, attention_impl
 from specjax.models.paths import cache_dir
 from specjax.models.quant import PackedKernel, is_quantized, quantization_of
 from specjax.sampling import SamplingParams
@@ -78,12 +77,13 @@ def weights_of(params) -> str:
 
 def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
-    config and how its weights are held), the drafter, the branches, the batch size and the
-    profiled cache widths (JSON-able, compared whole on load)."""
+    config, how its weights are held and the attention that runs), the drafter, the branches,
+    the batch size and the profiled cache widths (JSON-able, compared whole on load)."""
     device = jax.devices()[0]
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
             "model": repr(target), "weights": weights_of(params), "drafter": repr(drafter.inner),
+            "attention": [attention_impl(cfg) for cfg in attention_configs(target, drafter)],
             "lengths": list(drafter.lengths),
             "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
@@ -135,24 +135,31 @@ def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started,
                                  sampling, criteria, branch=branch, steps=steps)
 
 
-def cached_tokens(target, context: int, drafter: AutoDrafter | None = None) -> int:
-    """The tokens a profile for `context` caches before its timed steps: `context`, or at most
-    `CONTEXT` when every attention a step runs is the XLA path (`kernels.dispatch.resolve_impl`:
-    the built-in Llama target's, and a draft model's when the drafter has one; the default on
-    CPU): that reads the whole cache buffer, masked, however much of it is filled, so a step
-    costs what its program's width makes it cost, and prefilling 1024 tokens a row only costs
-    the profile time (most of a B = 8 profile's on CPU). A Pallas kernel stops at each row's
-    length: there the tokens are cached for real, as they are for a target of another class
-    (its attention is its own). The learned heads' attention is always the XLA path
-    (`attention_over_parts`)."""
+def attention_configs(target, drafter: AutoDrafter | None = None) -> list[ModelConfig]:
+    """The configs of the built-in Llama attentions a step runs: the target's, and a draft
+    model's when the drafter has one (empty for a target of another class)."""
     model = as_target(target)
     if not isinstance(model, Llama):
-        return context
+        return []
     configs = [model.cfg]
     inner = getattr(drafter, "inner", drafter)
     if isinstance(getattr(inner, "cfg", None), ModelConfig):  # a draft model's own attention
         configs.append(inner.cfg)
-    if any(resolve_impl(cfg.attention_impl, cfg.head_dim) != "xla" for cfg in configs):
+    return configs
+
+
+def cached_tokens(target, context: int, drafter: AutoDrafter | None = None) -> int:
+    """The tokens a profile for `context` caches before its timed steps: `context`, or at most
+    `CONTEXT` when every attention a step runs is the XLA path (`models.llama.attention_impl`:
+    the built-in Llama target's, and a draft model's when the drafter has one): that reads the
+    whole cache buffer, masked, however much of it is filled, so a step costs what its
+    program's width makes it cost, and prefilling 1024 tokens a row only costs the profile
+    time. The kernels (Pallas on GPU / TPU, the C++ one on one CPU device: the default for f32
+    there) stop at each row's length: there the tokens are cached for real, as they are for a
+    target of another class (its attention is its own). The learned heads' attention is
+    always the XLA path (`attention_over_parts`)."""
+    configs = attention_configs(target, drafter)
+    if not configs or any(attention_impl(cfg) != "xla" for cfg in configs):
         return context
     return min(context, CONTEXT)
 

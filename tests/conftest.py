@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-import jax
-import pytest
+# `python -m pytest` puts the checkout's root on sys.path, where the folders `kernels/` and
+# `models/` (installed as specjax.kernels / specjax.models) would shadow top-level packages of
+# those names: transformers >= 5 imports Hugging Face's `kernels` (the hf extra's tests).
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
+import jax  # noqa: E402 (after the sys.path cleanup above)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

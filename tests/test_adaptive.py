@@ -36,7 +36,7 @@ from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.metrics import job_summary
-from specjax.models.llama import init_params
+from specjax.models.llama import cpu_attention_reason, init_params
 from specjax.options import draft_choice
 from specjax.tree import chain, k_ary
 
@@ -536,6 +536,10 @@ def test_the_wide_profile_caches_few_tokens_where_attention_reads_the_whole_buff
         init_cache = forward = None
 
     assert auto_costs.cached_tokens(Opaque(), wide) == wide
+    if cpu_attention_reason(cfg) is None:  # the CPU kernel (auto's pick here) stops at the length too
+        assert auto_costs.cached_tokens(dataclasses.replace(cfg, attention_impl="auto"), wide) == wide
+        assert auto_costs.cached_tokens(xla, wide, AutoDrafter.wrap(
+            DraftModelDrafter(tree=chain(1), cfg=dataclasses.replace(cfg, attention_impl="cpu")), (0, 1))) == wide
 
 
 def test_costs_from_a_latency_profile():

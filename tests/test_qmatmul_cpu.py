@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specjax.models.quant as quant
-from specjax.kernels import qmatmul_cpu
+from specjax.kernels import cpu_ffi, qmatmul_cpu
 from specjax.models.cache import init_cache
 from specjax.models.llama import LlamaModel, causal_mask, init_params, rope_tables, scan_layers
 
@@ -141,7 +141,7 @@ def test_pack_params_packs_what_the_kernel_runs_and_unpacks_exactly(monkeypatch)
 
 
 def test_a_failed_build_keeps_the_xla_path(monkeypatch, tmp_path):
-    monkeypatch.setattr(qmatmul_cpu, "_state", {})
+    monkeypatch.setattr(cpu_ffi, "_state", {})
     monkeypatch.setenv("CXX", "false")
     reason = qmatmul_cpu.available(tmp_path)
     assert reason is not None and "failed" in reason

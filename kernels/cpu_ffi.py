@@ -1,0 +1,110 @@
+"""Building and registering the C++ kernels of the XLA CPU backend (XLA FFI).
+
+    reason = available(SOURCE, {"target_name": "HandlerSymbol"}, folder)   # None: registered
+
+A kernel's source (`kernels/*.cc`) is compiled on first use with the machine's C++ compiler
+(`-O3 -march=native`, the XLA FFI headers jaxlib ships) into `folder` (`$SPECJAX_CACHE/kernels`),
+keyed by a hash of the source, the flags, the compiler and the CPU, and its handlers are
+registered with XLA once per process. `SPECJAX_CPU_KERNELS=0` switches every kernel off;
+without a compiler, or when the build fails, the callers keep XLA's path (`available` says why).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+#: the environment variable that switches the kernels off ("0", "false", "no", "off")
+ENV_SWITCH = "SPECJAX_CPU_KERNELS"
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-march=native", "-fno-math-errno")
+
+_lock = threading.Lock()
+#: per source file: None when registered, else the reason it is not
+_state: dict[str, str | None] = {}
+
+
+def switched_off(environ=os.environ) -> bool:
+    return environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    """The C++ compiler: `$CXX`, else the first of c++ / g++ / clang++ on the PATH."""
+    named = os.environ.get("CXX")
+    if named:
+        return shutil.which(named)
+    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def library_name(source: Path, cxx: str) -> str:
+    """The cached library's file name: a hash of source, flags, compiler, CPU and headers."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_identity().encode(), jax.ffi.include_dir().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def build(source: Path, folder: Path) -> Path:
+    """The compiled library of `source` in `folder` (compiled now if not there yet; written
+    atomically, so processes building at once each end with a whole file). RuntimeError naming
+    the reason."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    target = folder / library_name(source, cxx)
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=folder)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", temp]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        Path(temp).unlink(missing_ok=True)
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"compiling {source.name} failed: {last}")
+    os.replace(temp, target)
+    return target
+
+
+def available(source: Path, handlers: dict[str, str], folder: Path) -> str | None:
+    """None when `source`'s handlers (FFI target name -> exported symbol) are registered with
+    XLA (built into `folder` if needed, once per process), else the reason they are not
+    (switched off, no compiler, a failed build)."""
+    with _lock:
+        if source.name not in _state:
+            _state[source.name] = _register(source, handlers, folder)
+        return _state[source.name]
+
+
+def _register(source: Path, handlers: dict[str, str], folder: Path) -> str | None:
+    if switched_off():
+        return f"{ENV_SWITCH}=0"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build(source, folder)))
+        for target, symbol in handlers.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as err:
+        return str(err)
+    return None

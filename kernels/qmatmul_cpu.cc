@@ -1,13 +1,24 @@
-// Weight-only int8 matmul for XLA CPU, called through the XLA FFI (kernels/qmatmul_cpu.py).
+// Matmuls over a stack of layer kernels read in place, for XLA CPU through the XLA FFI
+// (kernels/qmatmul_cpu.py). Two kinds:
 //
+// Weight-only int8 (SpecjaxQMatmulInt8):
 //   y[m, n] = sum_k x[m, k] * w[layer, k, n] * s[layer, k / (K / G), n]
-//
 // x    f32 [M, K]                 (any leading shape; M = elements / K)
 // w    s8  [L, N / 16, K, 16]     the int8 kernel packed in column blocks of 16: block j holds
 //                                 columns [16 j, 16 j + 16) row after row, so one block is one
 //                                 contiguous stream of K * 16 bytes
 // s    f32 [L, G, N]              scales: one per output channel (G = 1) or per K / G inputs
 // layer s32 []                    which of the L stacked kernels (read in place: no slice copy)
+// y    f32 [M, N]
+//
+// Float (SpecjaxMatmulF32, SpecjaxMatmulBF16):
+//   y[m, n] = sum_k x[m, k] * w[layer, k, n]
+// x    f32 [M, K]
+// w    f32 or bf16 [L, K, N]      the stacked params as stored (N a multiple of 16): a column
+//                                 block is read row after row with a stride of N; a call of more
+//                                 than one row tile first copies the block to a contiguous
+//                                 scratch stripe (the strided rows would alias in the caches)
+// layer s32 []
 // y    f32 [M, N]
 //
 // Each output is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
@@ -21,6 +32,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -56,38 +70,66 @@ inline v8f load_f32(const float* p) {
   return v;
 }
 
+inline v8f load_bf16(const uint16_t* p) {  // bf16 is the top half of an f32
+#if defined(__AVX2__)
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+#else
+  float out[8];
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = uint32_t(p[i]) << 16;
+    std::memcpy(&out[i], &bits, sizeof bits);
+  }
+  return load_f32(out);
+#endif
+}
+
+inline v8f load_weights(const int8_t* p) { return load_int8(p); }
+inline v8f load_weights(const float* p) { return load_f32(p); }
+inline v8f load_weights(const uint16_t* p) { return load_bf16(p); }
+
 inline void store_f32(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
+enum class Scale { kNone, kChannel, kBlock };
+
+// One call's operands. Column block j of the chosen layer's kernel starts at w + j * block_stride,
+// and its row k (16 weights) at + k * row_stride.
+template <typename W>
 struct Problem {
-  const float* x;      // [M, K]
-  const int8_t* w;     // [N / 16, K, 16] of the chosen layer
-  const float* s;      // [G, N] of the chosen layer
-  float* y;            // [M, N]
+  const float* x;       // [M, K]
+  const W* w;           // the chosen layer's kernel
+  const float* s;       // [G, N] of the chosen layer (Scale::kNone: unused)
+  float* y;             // [M, N]
   int64_t m, k, n, groups;
+  int64_t row_stride, block_stride;
 };
 
-// Rows [m0, m0 + MT) x the NB column blocks from jb (columns [16 jb, 16 (jb + NB))). A tile
-// of few rows takes several blocks at once: each output is one FMA chain over k (4 cycles a
-// step), and one row over one block (2 chains) would wait on that latency, not on memory
-// (standalone, 53 MB of int8 at M = 1: 10.5 -> 11.7 GB/s on one core, 19 -> 22 on two).
-template <int MT, int NB, bool kBlockScales>
-void tile_scaled(const Problem& p, int64_t jb, int64_t m0) {
+// Rows [m0, m0 + MT) x the NB column blocks at `block` (columns [n0, n0 + 16 NB)); `row_stride`
+// from one row of a block to the next. A tile of few rows takes several blocks at once: each
+// output is one FMA chain over k (4 cycles a step), and one row over one block (2 chains)
+// would wait on that latency, not on memory (standalone, 53 MB of int8 at M = 1: 10.5 -> 11.7
+// GB/s on one core, 19 -> 22 on two).
+template <typename W, int MT, int NB, Scale kScale>
+void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t block_stride,
+             int64_t n0, int64_t m0) {
   v8f acc[MT][NB][2];
   for (int r = 0; r < MT; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = v8f{};
-  const int8_t* block = p.w + jb * p.k * kBlock;
-  const int64_t stride = p.k * kBlock;  // one block to the next
-  const int64_t n0 = jb * kBlock;
   const float* x = p.x + m0 * p.k;
-  const int64_t groups = kBlockScales ? p.groups : 1, per_group = p.k / groups;
+  const int64_t groups = kScale == Scale::kBlock ? p.groups : 1, per_group = p.k / groups;
+  // Strided rows (a float kernel as stored) are fetched ahead: one cache line a block a row.
+  const bool strided = row_stride != kBlock;
   for (int64_t g = 0; g < groups; ++g) {
-    const float* scale = p.s + g * p.n + n0;
+    const float* scale = kScale == Scale::kBlock ? p.s + g * p.n + n0 : nullptr;
     for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+      if (strided && k + 8 < p.k)
+        for (int b = 0; b < NB; ++b) __builtin_prefetch(block + b * block_stride + (k + 8) * row_stride);
       v8f w[NB][2];
       for (int b = 0; b < NB; ++b) {
-        w[b][0] = load_int8(block + b * stride + k * kBlock);
-        w[b][1] = load_int8(block + b * stride + k * kBlock + 8);
-        if constexpr (kBlockScales) {  // block scales multiply the weights
+        const W* row = block + b * block_stride + k * row_stride;
+        w[b][0] = load_weights(row);
+        w[b][1] = load_weights(row + 8);
+        if constexpr (kScale == Scale::kBlock) {  // block scales multiply the weights
           w[b][0] *= load_f32(scale + b * kBlock);
           w[b][1] *= load_f32(scale + b * kBlock + 8);
         }
@@ -103,7 +145,7 @@ void tile_scaled(const Problem& p, int64_t jb, int64_t m0) {
   }
   for (int r = 0; r < MT; ++r)
     for (int b = 0; b < NB; ++b) {
-      if constexpr (!kBlockScales) {  // one scale a channel multiplies the sums
+      if constexpr (kScale == Scale::kChannel) {  // one scale a channel multiplies the sums
         acc[r][b][0] *= load_f32(p.s + n0 + b * kBlock);
         acc[r][b][1] *= load_f32(p.s + n0 + b * kBlock + 8);
       }
@@ -112,62 +154,99 @@ void tile_scaled(const Problem& p, int64_t jb, int64_t m0) {
     }
 }
 
-template <int MT, int NB>
-void tile(const Problem& p, int64_t jb, int64_t m0) {
-  if (p.groups == 1) return tile_scaled<MT, NB, false>(p, jb, m0);
-  return tile_scaled<MT, NB, true>(p, jb, m0);
+// A tile read where the call's layout holds the blocks (Stripe: the copy `stripe_of` made).
+template <typename W>
+struct Stripe {
+  const W* w;  // block jb's row 0
+  int64_t row_stride, block_stride;
+};
+
+template <typename W, int MT, int NB>
+void tile(const Problem<W>& p, const Stripe<W>& at, int64_t jb, int64_t m0) {
+  const int64_t n0 = jb * kBlock;
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (p.groups == 1)
+      return tile_at<W, MT, NB, Scale::kChannel>(p, at.w, at.row_stride, at.block_stride, n0, m0);
+    return tile_at<W, MT, NB, Scale::kBlock>(p, at.w, at.row_stride, at.block_stride, n0, m0);
+  } else {
+    return tile_at<W, MT, NB, Scale::kNone>(p, at.w, at.row_stride, at.block_stride, n0, m0);
+  }
 }
 
 // The blocks a tile of `rows` rows takes at once (at most 12 accumulators).
 inline int64_t blocks_per_tile(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
-template <int MT>
-void tile_blocks(const Problem& p, int64_t jb, int64_t m0, int64_t nb) {
+template <typename W, int MT>
+void tile_blocks(const Problem<W>& p, const Stripe<W>& at, int64_t jb, int64_t m0, int64_t nb) {
   if constexpr (MT == 1) {
     switch (nb) {
-      case 4: return tile<1, 4>(p, jb, m0);
-      case 3: return tile<1, 3>(p, jb, m0);
-      case 2: return tile<1, 2>(p, jb, m0);
-      default: return tile<1, 1>(p, jb, m0);
+      case 4: return tile<W, 1, 4>(p, at, jb, m0);
+      case 3: return tile<W, 1, 3>(p, at, jb, m0);
+      case 2: return tile<W, 1, 2>(p, at, jb, m0);
+      default: return tile<W, 1, 1>(p, at, jb, m0);
     }
   } else {
-    if (nb == 2) return tile<MT, 2>(p, jb, m0);
-    return tile<MT, 1>(p, jb, m0);
+    if (nb == 2) return tile<W, MT, 2>(p, at, jb, m0);
+    return tile<W, MT, 1>(p, at, jb, m0);
   }
 }
 
-void tile_rows(const Problem& p, int64_t jb, int64_t m0, int64_t rows, int64_t nb) {
+template <typename W>
+void tile_rows(const Problem<W>& p, const Stripe<W>& at, int64_t jb, int64_t m0, int64_t rows,
+               int64_t nb) {
   switch (rows) {
-    case 1: return tile_blocks<1>(p, jb, m0, nb);
-    case 2: return tile_blocks<2>(p, jb, m0, nb);
-    case 3: return tile_blocks<3>(p, jb, m0, nb);
-    case 4: return tile<4, 1>(p, jb, m0);
-    case 5: return tile<5, 1>(p, jb, m0);
-    default: return tile<6, 1>(p, jb, m0);
+    case 1: return tile_blocks<W, 1>(p, at, jb, m0, nb);
+    case 2: return tile_blocks<W, 2>(p, at, jb, m0, nb);
+    case 3: return tile_blocks<W, 3>(p, at, jb, m0, nb);
+    case 4: return tile<W, 4, 1>(p, at, jb, m0);
+    case 5: return tile<W, 5, 1>(p, at, jb, m0);
+    default: return tile<W, 6, 1>(p, at, jb, m0);
   }
 }
 
-// Column blocks [lo, hi), every row: the rows in ceil(M / 6) tiles of balanced size.
-void blocks(const Problem& p, int64_t lo, int64_t hi) {
+// Column blocks [lo, hi), every row: the rows in ceil(M / 6) tiles of balanced size. Where the
+// blocks are strided (a float kernel as stored) and several tiles re-read a block, the block is
+// first copied to a contiguous stripe (thread-local scratch): the same weights in the same
+// order, so the same sums.
+template <typename W>
+void blocks(const Problem<W>& p, int64_t lo, int64_t hi) {
   const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t m0 = p.m * t / tiles, m1 = p.m * (t + 1) / tiles;
-    const int64_t step = blocks_per_tile(m1 - m0);
-    for (int64_t jb = lo; jb < hi; jb += step)
-      tile_rows(p, jb, m0, m1 - m0, std::min(step, hi - jb));
+  const bool restripe = tiles > 1 && p.row_stride != kBlock;
+  thread_local std::vector<W> scratch;
+  if (restripe) scratch.resize(p.k * kBlock);
+  for (int64_t jb0 = lo; jb0 < hi;) {
+    const int64_t span = restripe ? 1 : hi - jb0;  // blocks handled per pass over the rows
+    Stripe<W> at{p.w + jb0 * p.block_stride, p.row_stride, p.block_stride};
+    if (restripe) {
+      for (int64_t k = 0; k < p.k; ++k)
+        std::memcpy(scratch.data() + k * kBlock, at.w + k * p.row_stride, kBlock * sizeof(W));
+      at = Stripe<W>{scratch.data(), kBlock, p.k * kBlock};
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = p.m * t / tiles, m1 = p.m * (t + 1) / tiles;
+      const int64_t step = blocks_per_tile(m1 - m0);
+      for (int64_t j = 0; j < span; j += step) {
+        Stripe<W> from = at;
+        from.w = at.w + j * at.block_stride;
+        tile_rows(p, from, jb0 + j, m0, m1 - m0, std::min(step, span - j));
+      }
+    }
+    jb0 += span;
   }
 }
 
 // The column blocks of one call, handed out in chunks to whichever thread asks next: the
 // calling thread and the helpers it scheduled on XLA's pool. Shared (heap) state, so a helper
 // the pool starts after the call has returned finds no chunk left and leaves.
+template <typename W>
 struct Work {
-  Problem p;
+  Problem<W> p;
   int64_t nblocks = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-void run_chunks(Work& work) {
+template <typename W>
+void run_chunks(Work<W>& work) {
   for (;;) {
     const int64_t lo = work.next.fetch_add(work.chunk, std::memory_order_relaxed);
     if (lo >= work.nblocks) return;
@@ -181,6 +260,39 @@ int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
   int64_t out = 1;
   for (size_t i = from; i < to; ++i) out *= dims[i];
   return out;
+}
+
+// Runs the call: its column blocks shared out over the calling thread and XLA's pool.
+template <typename W>
+ffi::Error run(ffi::ThreadPool& pool, const Problem<W>& problem) {
+  if (problem.m == 0) return ffi::Error::Success();
+  const int64_t nblocks = problem.n / kBlock;
+  auto work = std::make_shared<Work<W>>();
+  work->p = problem;
+  work->nblocks = nblocks;
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
+  work->chunk = std::max<int64_t>(1, nblocks / (4 * threads));
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_chunks(*work); });
+  run_chunks(*work);
+  // Only chunks other threads took are left, and those threads are running them: waiting for
+  // them cannot deadlock (a helper that starts later finds nothing left and touches nothing).
+  while (work->done.load(std::memory_order_acquire) < nblocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// The checks both kinds share: x's rows, y's size and the layer index. Sets M and l.
+ffi::Error check_rows(const char* name, int64_t x_count, int64_t y_count, int64_t K, int64_t N,
+                      ffi::Buffer<ffi::S32>& layer, int64_t L, int64_t& M, int64_t& l) {
+  const std::string kernel(name);
+  if (K == 0 || x_count % K != 0)
+    return ffi::Error::InvalidArgument(kernel + ": x's last axis is not the kernel's input size");
+  M = x_count / K;
+  if (y_count != M * N) return ffi::Error::InvalidArgument(kernel + ": output size is not M x N");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(kernel + ": layer must be a scalar");
+  l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument(kernel + ": layer index out of range");
+  return ffi::Error::Success();
 }
 
 ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -197,29 +309,42 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t G = sd[sr - 2];
   if (sd[sr - 3] != L || sd[sr - 1] != N || G < 1 || K % G != 0)
     return ffi::Error::InvalidArgument("qmatmul: scale shape does not match the kernel");
-  if (K == 0 || x.element_count() % K != 0)
-    return ffi::Error::InvalidArgument("qmatmul: x's last axis is not the kernel's input size");
-  const int64_t M = x.element_count() / K;
-  if (y->element_count() != M * N)
-    return ffi::Error::InvalidArgument("qmatmul: output size is not M x N");
-  if (layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("qmatmul: layer must be a scalar");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("qmatmul: layer index out of range");
+  int64_t M = 0, l = 0;
+  if (auto error = check_rows("qmatmul", x.element_count(), y->element_count(), K, N, layer, L, M, l);
+      error.failure())
+    return error;
+  return run(pool, Problem<int8_t>{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
+                                   s.typed_data() + l * G * N, y->typed_data(), M, K, N, G,
+                                   kBlock, K * kBlock});
+}
 
-  if (M == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->p = Problem{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
-                    s.typed_data() + l * G * N, y->typed_data(), M, K, N, G};
-  work->nblocks = nblocks;
-  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
-  work->chunk = std::max<int64_t>(1, nblocks / (4 * threads));
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_chunks(*work); });
-  run_chunks(*work);
-  // Only chunks other threads took are left, and those threads are running them: waiting for
-  // them cannot deadlock (a helper that starts later finds nothing left and touches nothing).
-  while (work->done.load(std::memory_order_acquire) < nblocks) std::this_thread::yield();
-  return ffi::Error::Success();
+// A float kernel `[L, K, N]` as stored: element type W (float, or uint16_t holding bf16).
+template <typename W, ffi::DataType kType>
+ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  const size_t wr = wd.size();
+  if (wr < 3 || product(wd, 0, wr - 3) != 1)
+    return ffi::Error::InvalidArgument("matmul: w must be [L, K, N]");
+  const int64_t L = wd[wr - 3], K = wd[wr - 2], N = wd[wr - 1];
+  if (N % kBlock != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
+  int64_t M = 0, l = 0;
+  if (auto error = check_rows("matmul", x.element_count(), y->element_count(), K, N, layer, L, M, l);
+      error.failure())
+    return error;
+  const W* weights = reinterpret_cast<const W*>(w.untyped_data()) + l * K * N;
+  return run(pool, Problem<W>{x.typed_data(), weights, nullptr, y->typed_data(), M, K, N, 1, N,
+                              kBlock});
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulFloat<float, ffi::F32>(pool, x, w, layer, y);
+}
+
+ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulFloat<uint16_t, ffi::BF16>(pool, x, w, layer, y);
 }
 
 }  // namespace
@@ -230,5 +355,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8, QMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulBF16, MatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import qwix
 from flax import struct
 
-from specjax.kernels import attention_cpu, cpu_ffi
+from specjax.kernels import attention_cpu, cpu_ffi, qmatmul_cpu
 from specjax.kernels.dispatch import resolve_impl, verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.paths import cache_dir
-from specjax.models.quant import HEAD, PackedKernel, packed_matmul
+from specjax.models.quant import HEAD, LayerKernel, PackedKernel, layer_kernel, packed_matmul
 
 Params = Any
 
@@ -101,7 +101,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`nn.Dense`'s math and param names (`kernel [in, out]`, `bias [out]`); the kernel may be
     a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`,
-    or a `quant.PackedKernel`, multiplied by the CPU kernel."""
+    or a `quant.PackedKernel` / `quant.LayerKernel` (a stack read in place at the layer's
+    index), multiplied by the CPU kernels."""
 
     features: int
     use_bias: bool = False
@@ -110,13 +111,15 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):  # [..., in] -> [..., out]
         kernel = self.get_variable("params", "kernel")
-        if not isinstance(kernel, PackedKernel):  # (flax's shape check reads a pytree's first leaf)
+        if not isinstance(kernel, (PackedKernel, LayerKernel)):  # (flax's shape check reads a pytree's first leaf)
             kernel = self.param("kernel", nn.initializers.normal(0.02),
                                 (x.shape[-1], self.features), self.dtype)
         x = jnp.asarray(x, self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if isinstance(kernel, PackedKernel):
             y = packed_matmul(x, kernel).astype(self.dtype)
+        elif isinstance(kernel, LayerKernel):
+            y = qmatmul_cpu.matmul(x, kernel.stack, kernel.layer).astype(self.dtype)
         elif isinstance(kernel, qwix.QArray):
             y = qwix.dot_general(x, kernel, dims).astype(self.dtype)
         else:
@@ -272,12 +275,17 @@ def cpu_attention_reason(cfg: ModelConfig) -> str | None:
 
 
 def layer_params(layers: Params, index: jax.Array) -> Params:
-    """Layer `index` (int32 `[]`) of the stacked layer params: each array's slice, and each
-    `PackedKernel` the whole stack with its `layer` set (the CPU kernel reads it in place)."""
+    """Layer `index` (int32 `[]`) of the stacked layer params: each array's slice; each
+    `PackedKernel` the whole stack with its `layer` set, and each float kernel the CPU kernel
+    multiplies a `LayerKernel` of the whole stack (`quant.layer_kernel`): those kernels read
+    the stack in place, where XLA would copy each layer's slice out before its dot."""
 
     def one(leaf):
         if isinstance(leaf, PackedKernel):
             return dataclasses.replace(leaf, layer=index)
+        in_place = layer_kernel(leaf, index)
+        if in_place is not None:
+            return in_place
         return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
 
     return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, PackedKernel))

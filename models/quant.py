@@ -258,6 +258,45 @@ def packed_matmul(x: jax.Array, kernel: PackedKernel) -> jax.Array:
     return qmatmul_cpu.qmatmul_reference(x.astype(jnp.float32), packed, scale, layer)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stack", "layer"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerKernel:
+    """One layer of a float (f32 / bf16) stacked kernel, read in place: the whole `[L, K, N]`
+    param as stored and the index of the layer `Linear` multiplies by, with the CPU kernel
+    (`kernels.qmatmul_cpu.matmul`). Made by the layer loop (`models.llama.layer_params`) where
+    `float_kernel_reason` is None; never stored in params."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The layer's kernel shape `[K, N]`."""
+        return tuple(self.stack.shape[1:])
+
+
+def float_kernel_reason() -> str | None:
+    """None when the layer loop multiplies float kernels read in place (`LayerKernel`): the
+    CPU backend, one device (the kernel has no partitioning rule: a mesh keeps XLA's path),
+    the kernel registered; else why not. Read at each trace."""
+    if qmatmul_cpu.switched_off():
+        return f"{qmatmul_cpu.ENV_SWITCH}=0"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    if jax.device_count() != 1:
+        return f"{jax.device_count()} devices (the kernel runs on one)"
+    return cpu_kernel_reason()
+
+
+def layer_kernel(leaf, index: jax.Array) -> LayerKernel | None:
+    """`leaf` (a stacked layer param) as a LayerKernel at `index`, when it is a float kernel
+    the CPU kernel multiplies (`qmatmul_cpu.float_kernel_fits`) and `float_kernel_reason` is
+    None; else None."""
+    if not qmatmul_cpu.float_kernel_fits(leaf) or float_kernel_reason() is not None:
+        return None
+    return LayerKernel(leaf, index)
+
+
 def quantization_of(params: Params) -> str | None:
     """The mode of the first quantized kernel of `params` ("int8" / "int4" / "fp8"), None if
     none."""

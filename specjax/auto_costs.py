@@ -36,7 +36,7 @@ from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, attention_impl
 from specjax.models.paths import cache_dir
-from specjax.models.quant import PackedKernel, is_quantized, quantization_of
+from specjax.models.quant import PackedKernel, float_kernel_reason, is_quantized, quantization_of
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 from specjax.xla_options import current_options, program
@@ -68,11 +68,13 @@ def costs_folder() -> Path:
 
 def weights_of(params) -> str:
     """How the weights are held, as far as a step's cost goes: "float", or the quantization mode,
-    with "/cpu-kernel" where the CPU kernel multiplies them (`quant.PackedKernel`)."""
+    with "/cpu-kernel" where the CPU kernels multiply them (`quant.PackedKernel`; float kernels
+    where `quant.float_kernel_reason` is None)."""
     mode = quantization_of(params)
     packed = any(isinstance(leaf, PackedKernel)
                  for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
-    return (mode or "float") + ("/cpu-kernel" if packed else "")
+    in_place = mode is None and params is not None and float_kernel_reason() is None
+    return (mode or "float") + ("/cpu-kernel" if packed or in_place else "")
 
 
 def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict:

@@ -12,7 +12,13 @@
   output size is not a multiple of 16, `unpack_params` gives the QArrays back exactly, and
   `SPECJAX_CPU_KERNELS=0` or a failed build keeps the QArrays (the XLA path);
 - the layer loop over the index (`llama.scan_layers`) computes what `nn.scan` computes, bit for
-  bit, on f32 params.
+  bit, on f32 params with the kernels off;
+- the float kernel (`qmatmul_cpu.matmul`: f32 / bf16 stacks as stored, read in place) equals its
+  reference on random shapes (ragged row tiles, the restriped path of more than 6 rows, every
+  layer), is row-invariant bit for bit, composes with vmap and grad (in x and the stack), and
+  errors on bad input; the layer loop hands f32 / bf16 kernels to it (`quant.LayerKernel`),
+  the model's output stays what XLA's path computes, and the decode program copies no
+  weight slice.
 """
 from __future__ import annotations
 
@@ -28,7 +34,15 @@ from hypothesis import strategies as st
 import specjax.models.quant as quant
 from specjax.kernels import cpu_ffi, qmatmul_cpu
 from specjax.models.cache import init_cache
-from specjax.models.llama import LlamaModel, causal_mask, init_params, rope_tables, scan_layers
+from specjax.models.llama import (
+    LlamaModel,
+    causal_mask,
+    forward,
+    init_params,
+    layer_params,
+    rope_tables,
+    scan_layers,
+)
 
 pytestmark = pytest.mark.skipif(quant.cpu_kernel_reason() is not None,
                                 reason=f"CPU kernel unavailable: {quant.cpu_kernel_reason()}")
@@ -150,7 +164,8 @@ def test_a_failed_build_keeps_the_xla_path(monkeypatch, tmp_path):
     assert quant.pack_params(tree) is tree
 
 
-def test_scan_layers_computes_what_nn_scan_computes():
+def test_scan_layers_computes_what_nn_scan_computes(monkeypatch):
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")  # XLA's dots, as nn.scan's
     cfg = tiny_config()
     params = init_params(cfg, jax.random.PRNGKey(7))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
@@ -187,10 +202,110 @@ def test_int8_and_int4_add_an_int8_head_the_logits_read():
         assert quant.HEAD not in quant.quantize_params(f32, "fp8")["params"]
 
 
-def test_auto_step_costs_are_kept_apart_by_how_the_weights_are_held():
+def test_auto_step_costs_are_kept_apart_by_how_the_weights_are_held(monkeypatch):
     from specjax.auto_costs import weights_of  # the api layer: only this test needs it
 
     f32 = init_params(tiny_config(), jax.random.PRNGKey(9))
     q = quant.quantize_params(f32, "int8")
     assert [weights_of(p) for p in (f32, q, quant.pack_params(q))] == [
-        "float", "int8", "int8/cpu-kernel"]
+        "float/cpu-kernel", "int8", "int8/cpu-kernel"]
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")
+    assert weights_of(f32) == "float"
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 3), k=st.sampled_from([8, 32, 96]), nblocks=st.integers(1, 5),
+       m=st.integers(0, 14), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+def test_float_kernel_equals_reference(layers, k, nblocks, m, dtype, seed):
+    stack = jax.random.normal(jax.random.PRNGKey(seed), (layers, k, 16 * nblocks), dtype)
+    x = rows(seed, (m, k))
+    for layer in range(layers):
+        got = jax.jit(qmatmul_cpu.matmul)(x, stack, layer)
+        want = qmatmul_cpu.matmul_reference(x, stack, layer)
+        assert got.shape == (m, 16 * nblocks) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want), initial=1)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype):
+    stack = jax.random.normal(jax.random.PRNGKey(2), (2, 96, 80), dtype)
+    x = rows(2, (20, 96))
+    together = jax.jit(qmatmul_cpu.matmul)(x, stack, 1)  # 4 row tiles: the restriped path
+    for lo, hi in ((0, 1), (0, 3), (0, 7), (5, 6), (12, 20)):
+        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul)(x[lo:hi], stack, 1), together[lo:hi])
+
+
+def test_the_float_kernel_composes_with_vmap_and_grad():
+    stack = jax.random.normal(jax.random.PRNGKey(3), (2, 32, 48), jnp.float32)
+    x = rows(3, (4, 3, 32))
+    ref = qmatmul_cpu.matmul_reference
+    by_rows = jax.jit(jax.vmap(lambda a: qmatmul_cpu.matmul(a, stack, 1)))(x)
+    np.testing.assert_allclose(by_rows, ref(x, stack, 1), rtol=1e-5, atol=1e-5)
+    by_layer = jax.jit(jax.vmap(lambda i: qmatmul_cpu.matmul(x[0], stack, i)))(jnp.arange(2))
+    for i in range(2):
+        np.testing.assert_allclose(by_layer[i], ref(x[0], stack, i), rtol=1e-5, atol=1e-5)
+
+    def loss(fn):
+        return lambda a, w: jnp.sum(jnp.sin(fn(a, w, 1)))
+
+    got = jax.grad(loss(qmatmul_cpu.matmul), argnums=(0, 1))(x, stack)
+    want = jax.grad(loss(ref), argnums=(0, 1))(x, stack)
+    assert not np.any(np.asarray(got[1][0]))  # layer 0 took no part
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
+
+
+def test_bad_float_input_is_an_error():
+    stack = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
+        jax.jit(qmatmul_cpu.matmul)(rows(4, (1, 32)), stack, 2).block_until_ready()
+    with pytest.raises(ValueError, match="do not fit"):
+        qmatmul_cpu.matmul(rows(4, (1, 48)), stack, 0)
+    with pytest.raises(ValueError, match="do not fit"):  # 24 outputs: not whole blocks
+        qmatmul_cpu.matmul(rows(4, (1, 32)), jnp.ones((2, 32, 24)), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        qmatmul_cpu.matmul(rows(4, (1, 32)), jnp.ones((2, 32, 16), jnp.int32), 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layer_loop_reads_float_kernels_in_place(dtype, monkeypatch):
+    cfg = tiny_config(dtype=dtype)
+    params = init_params(cfg, jax.random.PRNGKey(8))
+    layers = params["params"]["layers"]
+    one = layer_params(layers, jnp.int32(1))
+    kernels = [leaf for leaf in jax.tree.leaves(one, is_leaf=lambda v: isinstance(v, quant.LayerKernel))
+               if isinstance(leaf, quant.LayerKernel)]
+    fitting = [leaf for leaf in jax.tree.leaves(layers) if qmatmul_cpu.float_kernel_fits(leaf)]
+    assert kernels and len(kernels) == len(fitting)
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+
+    def logits():
+        cache = init_cache(cfg, 2, 8)
+        return jax.jit(lambda p: forward(cfg, p, tokens, positions, cache).logits)(params)
+
+    by_kernel = logits()
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")
+    assert quant.float_kernel_reason() is not None
+    assert not any(isinstance(v, quant.LayerKernel) for v in jax.tree.leaves(
+        layer_params(layers, jnp.int32(1)), is_leaf=lambda v: isinstance(v, quant.LayerKernel)))
+    by_xla = logits()
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    np.testing.assert_allclose(np.asarray(by_kernel, np.float32), np.asarray(by_xla, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_the_f32_decode_program_copies_no_weight_slice():
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.PRNGKey(9))
+    cache = init_cache(cfg, 1, 8)
+    step = jax.jit(lambda p, t, pos, c: forward(cfg, p, t, pos, c).logits)
+    text = step.lower(params, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                      cache).compile().as_text()
+    shapes = {f"f32[{k},{n}]" for k, n in (leaf.shape[1:] for leaf in jax.tree.leaves(
+        params["params"]["layers"]) if qmatmul_cpu.float_kernel_fits(leaf))}
+    assert shapes
+    sliced = [line for line in text.splitlines() if "dynamic-slice" in line
+              and any(f" = {s}" in line or f"= {s}{{" in line for s in shapes)]
+    assert not sliced, sliced[:3]
+    assert "specjax_matmul_f32" in text

@@ -1,9 +1,10 @@
 """Decoding against this machine's memory-bandwidth floor, side by side in one run.
 
 1. Streaming-read bandwidth of a >= 1 GB buffer, with numpy and with jnp (best of N sums).
-2. For each mode (f32, bf16, int8, int4; `int8_xla` / `int4_xla`: the same weights multiplied
-   by XLA's path, qwix's dequantize + dot, instead of the CPU kernel: SPECJAX_CPU_KERNELS=0
-   while they run): the bytes a B=1 decode step must read (weights at their stored width, the
+2. For each mode (f32, bf16, int8, int4; `<mode>_xla`, e.g. `float32_xla` / `int8_xla`: the
+   same weights multiplied by XLA's path (f32 / bf16: a slice of each layer's kernel copied
+   out of the stack, then XLA's dot; int8 / int4: qwix's dequantize + dot) instead of the CPU
+   kernels: SPECJAX_CPU_KERNELS=0 while they run, which also keeps XLA's attention): the bytes a B=1 decode step must read (weights at their stored width, the
    float LM head left out where an int8 one replaces it in the step, + the KV cache at the mean
    length) / the bandwidth = the floor step time;
    the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
@@ -83,13 +84,14 @@ def kv_bytes(cfg, length: float) -> float:
 
 
 def model_in(f32, mode: str):
-    """The f32-loaded model as `mode` (bf16 params, or int8 / int4 layer kernels)."""
-    if mode == "bfloat16":
+    """The f32-loaded model as `mode` (bf16 params, or int8 / int4 layer kernels; the `_xla`
+    suffix changes nothing here: `main` switches the CPU kernels off around it)."""
+    base = mode.removesuffix(XLA_SUFFIX)
+    if base == "bfloat16":
         return dataclasses.replace(f32, cfg=f32.cfg.replace(dtype="bfloat16"),
                                    params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), f32.params))
-    if mode.removesuffix(XLA_SUFFIX) in ("int8", "int4"):
-        quantized = quantize_params(f32.params, mode.removesuffix(XLA_SUFFIX))
-        return dataclasses.replace(f32, params=pack_params(quantized))
+    if base in ("int8", "int4"):
+        return dataclasses.replace(f32, params=pack_params(quantize_params(f32.params, base)))
     return f32
 
 
@@ -218,6 +220,7 @@ def main() -> None:
     results: dict = {}
     for mode in args.modes:
         os.environ[ENV_SWITCH] = "0" if mode.endswith(XLA_SUFFIX) else "1"
+        jax.clear_caches()  # the switch is read at trace time: f32 and f32_xla trace alike
         model = model_in(f32, mode)
         weights = stored_bytes(model.params)
         for name, texts in sets.items():

@@ -1,5 +1,7 @@
 // Matmuls over a stack of layer kernels read in place, for XLA CPU through the XLA FFI
-// (kernels/qmatmul_cpu.py). Two kinds:
+// (kernels/qmatmul_cpu.py). A call multiplies one x by a group of kernels of one kind (the
+// operands x, layer, then each kernel's; a result each): their column blocks are shared out
+// over the thread pool together, one hand-off for q / k / v or gate / up. Two kinds:
 //
 // Weight-only int8 (SpecjaxQMatmulInt8):
 //   y[m, n] = sum_k x[m, k] * w[layer, k, n] * s[layer, k / (K / G), n]
@@ -235,12 +237,14 @@ void blocks(const Problem<W>& p, int64_t lo, int64_t hi) {
   }
 }
 
-// The column blocks of one call, handed out in chunks to whichever thread asks next: the
-// calling thread and the helpers it scheduled on XLA's pool. Shared (heap) state, so a helper
-// the pool starts after the call has returned finds no chunk left and leaves.
+// The column blocks of one call (every kernel of its group, one after the other), handed out in
+// chunks to whichever thread asks next: the calling thread and the helpers it scheduled on
+// XLA's pool. Shared (heap) state, so a helper the pool starts after the call has returned finds
+// no chunk left and leaves.
 template <typename W>
 struct Work {
-  Problem<W> p;
+  std::vector<Problem<W>> problems;
+  std::vector<int64_t> first;  // problems[i]'s blocks are [first[i], first[i + 1])
   int64_t nblocks = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
 };
@@ -251,7 +255,10 @@ void run_chunks(Work<W>& work) {
     const int64_t lo = work.next.fetch_add(work.chunk, std::memory_order_relaxed);
     if (lo >= work.nblocks) return;
     const int64_t hi = std::min(lo + work.chunk, work.nblocks);
-    blocks(work.p, lo, hi);
+    for (size_t i = 0; i < work.problems.size(); ++i) {
+      const int64_t from = std::max(lo, work.first[i]), to = std::min(hi, work.first[i + 1]);
+      if (from < to) blocks(work.problems[i], from - work.first[i], to - work.first[i]);
+    }
     work.done.fetch_add(hi - lo, std::memory_order_release);
   }
 }
@@ -262,14 +269,17 @@ int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
   return out;
 }
 
-// Runs the call: its column blocks shared out over the calling thread and XLA's pool.
+// Runs the call: the column blocks of all its kernels shared out over the calling thread and
+// XLA's pool (one hand-off for the group: kernels of one input, e.g. q / k / v, go together).
 template <typename W>
-ffi::Error run(ffi::ThreadPool& pool, const Problem<W>& problem) {
-  if (problem.m == 0) return ffi::Error::Success();
-  const int64_t nblocks = problem.n / kBlock;
+ffi::Error run(ffi::ThreadPool& pool, std::vector<Problem<W>> problems) {
   auto work = std::make_shared<Work<W>>();
-  work->p = problem;
-  work->nblocks = nblocks;
+  work->first.push_back(0);
+  for (const auto& p : problems)
+    work->first.push_back(work->first.back() + (p.m == 0 ? 0 : p.n / kBlock));
+  work->problems = std::move(problems);
+  const int64_t nblocks = work->nblocks = work->first.back();
+  if (nblocks == 0) return ffi::Error::Success();
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
   work->chunk = std::max<int64_t>(1, nblocks / (4 * threads));
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_chunks(*work); });
@@ -280,96 +290,128 @@ ffi::Error run(ffi::ThreadPool& pool, const Problem<W>& problem) {
   return ffi::Error::Success();
 }
 
-// The checks both kinds share: x's rows, y's size and the layer index. Sets M and l.
+ffi::Error invalid(const std::string& message) { return ffi::Error::InvalidArgument(message); }
+
+// The checks every kind shares: x's rows, y's size and the layer index. Sets M and l.
 ffi::Error check_rows(const char* name, int64_t x_count, int64_t y_count, int64_t K, int64_t N,
-                      ffi::Buffer<ffi::S32>& layer, int64_t L, int64_t& M, int64_t& l) {
+                      int64_t layer, int64_t L, int64_t& M) {
   const std::string kernel(name);
-  if (K == 0 || x_count % K != 0)
-    return ffi::Error::InvalidArgument(kernel + ": x's last axis is not the kernel's input size");
+  if (K == 0 || x_count % K != 0) return invalid(kernel + ": x's last axis is not the kernel's input size");
   M = x_count / K;
-  if (y_count != M * N) return ffi::Error::InvalidArgument(kernel + ": output size is not M x N");
-  if (layer.element_count() != 1)
-    return ffi::Error::InvalidArgument(kernel + ": layer must be a scalar");
-  l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument(kernel + ": layer index out of range");
+  if (y_count != M * N) return invalid(kernel + ": output size is not M x N");
+  if (layer < 0 || layer >= L) return invalid(kernel + ": layer index out of range");
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                       ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::S32> layer,
-                       ffi::ResultBuffer<ffi::F32> y) {
+ffi::ErrorOr<int64_t> layer_of(ffi::Buffer<ffi::S32>& layer) {
+  if (layer.element_count() != 1) return ffi::Unexpected(invalid("qmatmul: layer must be a scalar"));
+  return int64_t(layer.typed_data()[0]);
+}
+
+// One int8 kernel of a group: w [L, N/16, K, 16] and s [L, G, N] at the layer.
+ffi::ErrorOr<Problem<int8_t>> int8_problem(const float* x, int64_t x_count, ffi::AnyBuffer w,
+                                           ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> y,
+                                           int64_t l) {
   const auto wd = w.dimensions();
   const auto sd = s.dimensions();
+  if (w.element_type() != ffi::S8 || s.element_type() != ffi::F32 || y->element_type() != ffi::F32)
+    return ffi::Unexpected(invalid("qmatmul: w must be int8, s and y f32"));
   if (wd.size() < 4 || sd.size() < 3)
-    return ffi::Error::InvalidArgument("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]");
+    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]"));
   const size_t wr = wd.size(), sr = sd.size();
   if (wd[wr - 1] != kBlock || product(wd, 0, wr - 4) != 1 || product(sd, 0, sr - 3) != 1)
-    return ffi::Error::InvalidArgument("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]");
+    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]"));
   const int64_t L = wd[wr - 4], nblocks = wd[wr - 3], K = wd[wr - 2], N = nblocks * kBlock;
   const int64_t G = sd[sr - 2];
   if (sd[sr - 3] != L || sd[sr - 1] != N || G < 1 || K % G != 0)
-    return ffi::Error::InvalidArgument("qmatmul: scale shape does not match the kernel");
-  int64_t M = 0, l = 0;
-  if (auto error = check_rows("qmatmul", x.element_count(), y->element_count(), K, N, layer, L, M, l);
-      error.failure())
-    return error;
-  return run(pool, Problem<int8_t>{x.typed_data(), w.typed_data() + l * nblocks * K * kBlock,
-                                   s.typed_data() + l * G * N, y->typed_data(), M, K, N, G,
-                                   kBlock, K * kBlock});
+    return ffi::Unexpected(invalid("qmatmul: scale shape does not match the kernel"));
+  int64_t M = 0;
+  if (auto error = check_rows("qmatmul", x_count, y->element_count(), K, N, l, L, M); error.failure())
+    return ffi::Unexpected(error);
+  return Problem<int8_t>{x, static_cast<const int8_t*>(w.untyped_data()) + l * nblocks * K * kBlock,
+                         static_cast<const float*>(s.untyped_data()) + l * G * N,
+                         static_cast<float*>(y->untyped_data()), M, K, N, G, kBlock, K * kBlock};
 }
 
-// A float kernel `[L, K, N]` as stored: element type W (float, or uint16_t holding bf16).
-template <typename W, ffi::DataType kType>
-ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+// One float kernel of a group: w [L, K, N] as stored (W: float, or uint16_t holding bf16).
+template <typename W>
+ffi::ErrorOr<Problem<W>> float_problem(const float* x, int64_t x_count, ffi::AnyBuffer w,
+                                       ffi::Result<ffi::AnyBuffer> y, int64_t l) {
+  const ffi::DataType want = std::is_same_v<W, float> ? ffi::F32 : ffi::BF16;
+  if (w.element_type() != want || y->element_type() != ffi::F32)
+    return ffi::Unexpected(invalid("matmul: the kernels of a call must share one dtype, y f32"));
   const auto wd = w.dimensions();
   const size_t wr = wd.size();
-  if (wr < 3 || product(wd, 0, wr - 3) != 1)
-    return ffi::Error::InvalidArgument("matmul: w must be [L, K, N]");
+  if (wr < 3 || product(wd, 0, wr - 3) != 1) return ffi::Unexpected(invalid("matmul: w must be [L, K, N]"));
   const int64_t L = wd[wr - 3], K = wd[wr - 2], N = wd[wr - 1];
-  if (N % kBlock != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
-  int64_t M = 0, l = 0;
-  if (auto error = check_rows("matmul", x.element_count(), y->element_count(), K, N, layer, L, M, l);
-      error.failure())
-    return error;
-  const W* weights = reinterpret_cast<const W*>(w.untyped_data()) + l * K * N;
-  return run(pool, Problem<W>{x.typed_data(), weights, nullptr, y->typed_data(), M, K, N, 1, N,
-                              kBlock});
+  if (N % kBlock != 0) return ffi::Unexpected(invalid("matmul: N must be a multiple of 16"));
+  int64_t M = 0;
+  if (auto error = check_rows("matmul", x_count, y->element_count(), K, N, l, L, M); error.failure())
+    return ffi::Unexpected(error);
+  return Problem<W>{x, static_cast<const W*>(w.untyped_data()) + l * K * N, nullptr,
+                    static_cast<float*>(y->untyped_data()), M, K, N, 1, N, kBlock};
 }
 
-ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return MatmulFloat<float, ffi::F32>(pool, x, w, layer, y);
+// x @ each int8 kernel of the group: args (w_0, s_0, w_1, s_1, ...), results (y_0, y_1, ...).
+ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto l = layer_of(layer);
+  if (l.has_error()) return l.error();
+  if (args.size() != 2 * rets.size() || rets.size() == 0)
+    return invalid("qmatmul: a (kernel, scale) pair per result");
+  std::vector<Problem<int8_t>> problems;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto w = args.get<ffi::AnyBuffer>(2 * i);
+    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (w.has_error() || s.has_error() || y.has_error()) return invalid("qmatmul: bad operands");
+    auto p = int8_problem(x.typed_data(), x.element_count(), *w, *s, *y, *l);
+    if (p.has_error()) return p.error();
+    problems.push_back(*p);
+  }
+  return run(pool, std::move(problems));
 }
 
-ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return MatmulFloat<uint16_t, ffi::BF16>(pool, x, w, layer, y);
+// x @ each float kernel of the group: args (w_0, w_1, ...), results (y_0, y_1, ...).
+template <typename W>
+ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto l = layer_of(layer);
+  if (l.has_error()) return l.error();
+  if (args.size() != rets.size() || rets.size() == 0) return invalid("matmul: a kernel per result");
+  std::vector<Problem<W>> problems;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto w = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (w.has_error() || y.has_error()) return invalid("matmul: bad operands");
+    auto p = float_problem<W>(x.typed_data(), x.element_count(), *w, *y, *l);
+    if (p.has_error()) return p.error();
+    problems.push_back(*p);
+  }
+  return run(pool, std::move(problems));
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return MatmulFloat<float>(pool, x, layer, args, rets);
+}
+
+ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                      ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return MatmulFloat<uint16_t>(pool, x, layer, args, rets);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQMatmulInt8, QMatmulInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_GROUP_HANDLER(symbol, function)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, function,                                \
+                                ffi::Ffi::Bind()                                 \
+                                    .Ctx<ffi::ThreadPool>()                      \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                \
+                                    .RemainingArgs()                             \
+                                    .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulF32, MatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulBF16, MatmulBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_GROUP_HANDLER(SpecjaxQMatmulInt8, QMatmulInt8)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulF32, MatmulF32)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulBF16, MatmulBF16)

@@ -87,59 +87,6 @@ def qmatmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array,
     return jnp.matmul(x, dequantize(*one)[0], precision=jax.lax.Precision.HIGHEST)
 
 
-def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]`, scale f32 `[L, G, N]`, layer int32 `[]`
-    -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
-    Differentiable in x and scale (the backward pass is the reference's)."""
-    layers, nblocks, k, _ = packed.shape
-    if x.shape[-1] != k or scale.ndim != 3 or scale.shape[::2] != (layers, nblocks * BLOCK):
-        raise ValueError(f"qmatmul: x {x.shape}, packed {packed.shape} and scale {scale.shape} "
-                         "do not fit")
-    return _qmatmul(x.astype(jnp.float32), packed, scale.astype(jnp.float32),
-                    jnp.asarray(layer, jnp.int32))
-
-
-@jax.custom_batching.custom_vmap
-def _call(x, packed, scale, layer):
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], packed.shape[1] * BLOCK), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scale, layer)
-
-
-@_call.def_vmap
-def _call_vmap(axis_size, in_batched, x, packed, scale, layer):
-    """Rows batched alone are more rows of one call (the kernel reads any leading shape of x);
-    a batched kernel, scale or layer maps the call over the batch."""
-    if not any(in_batched[1:]):
-        return _call(x, packed, scale, layer), in_batched[0]
-    args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip((x, packed, scale, layer), in_batched)]
-    return jax.lax.map(lambda one: _call(*one), tuple(args)), True
-
-
-@jax.custom_vjp
-def _qmatmul(x, packed, scale, layer):
-    return _call(x, packed, scale, layer)
-
-
-def _qmatmul_fwd(x, packed, scale, layer):
-    return _qmatmul(x, packed, scale, layer), (x, packed, scale, layer)
-
-
-def _qmatmul_bwd(residuals, grad):
-    x, packed, scale, layer = residuals
-    _, pullback = jax.vjp(lambda a, s: qmatmul_reference(a, packed, s, layer), x, scale)
-    grad_x, grad_scale = pullback(grad)
-    return grad_x, None, grad_scale, None
-
-
-_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
-# Float kernels as stored
-# ---------------------------------------------------------------------------------------------
-
-
 def float_kernel_fits(stack) -> bool:
     """Whether `matmul` multiplies by this stacked kernel: f32 / bf16 `[L, K, N]`, N a positive
     multiple of 16, K > 0."""
@@ -153,49 +100,100 @@ def matmul_reference(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> 
     return jnp.matmul(x.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
 
 
+def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]`, scale f32 `[L, G, N]`, layer int32 `[]`
+    -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
+    Differentiable in x and scale (the backward pass is the reference's)."""
+    return qmatmul_group(x, [(packed, scale)], layer)[0]
+
+
+def qmatmul_group(x: jax.Array, kernels, layer: jax.Array | int) -> list[jax.Array]:
+    """`qmatmul` of one x by each (packed, scale) of `kernels` (of one K), in one call: one
+    hand-off to the thread pool for the group (q / k / v, gate / up)."""
+    for packed, scale in kernels:
+        layers, nblocks, k, _ = packed.shape
+        if x.shape[-1] != k or scale.ndim != 3 or scale.shape[::2] != (layers, nblocks * BLOCK):
+            raise ValueError(f"qmatmul: x {x.shape}, packed {packed.shape} and scale {scale.shape} "
+                             "do not fit")
+    weights = tuple((packed, scale.astype(jnp.float32)) for packed, scale in kernels)
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), weights))
+
+
 def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x `[..., K]` (cast to f32), stack f32 / bf16 `[L, K, N]` (`float_kernel_fits`), layer
     int32 `[]` -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes
     it). Differentiable in x and the stack (the backward pass is the reference's)."""
-    if not float_kernel_fits(stack) or x.shape[-1] != stack.shape[1]:
-        raise ValueError(f"matmul: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
-                         "(a f32 / bf16 [L, K, N] stack, N a multiple of 16)")
-    return _matmul(x.astype(jnp.float32), stack, jnp.asarray(layer, jnp.int32))
+    return matmul_group(x, [stack], layer)[0]
+
+
+def matmul_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
+    """`matmul` of one x by each stack of `stacks` (one K, one dtype), in one call."""
+    for stack in stacks:
+        if (not float_kernel_fits(stack) or x.shape[-1] != stack.shape[1]
+                or stack.dtype != stacks[0].dtype):
+            raise ValueError(f"matmul: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
+                             "(f32 / bf16 [L, K, N] stacks of one dtype, N a multiple of 16)")
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), tuple(stacks)))
+
+
+def _widths(weights) -> list[int]:
+    """Each kernel's N: packed int8 (packed, scale) pairs, or float stacks `[L, K, N]`."""
+    return [w[0].shape[1] * BLOCK if isinstance(w, tuple) else w.shape[-1] for w in weights]
+
+
+def _reference(x, layer, weights) -> tuple:
+    return tuple(qmatmul_reference(x, *w, layer) if isinstance(w, tuple) else matmul_reference(x, w, layer)
+                 for w in weights)
 
 
 @jax.custom_batching.custom_vmap
-def _float_call(x, stack, layer):
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], stack.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(FLOAT_TARGETS[jnp.dtype(stack.dtype)], out)(x, stack, layer)
+def _call(x, layer, weights):
+    first = weights[0]
+    target = TARGET if isinstance(first, tuple) else FLOAT_TARGETS[jnp.dtype(first.dtype)]
+    outs = tuple(jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32) for n in _widths(weights))
+    return tuple(jax.ffi.ffi_call(target, outs)(x, layer, *jax.tree.leaves(weights)))
 
 
-@_float_call.def_vmap
-def _float_call_vmap(axis_size, in_batched, x, stack, layer):
-    """As `_call_vmap`: batched rows alone are more rows of one call, else a map."""
-    if not any(in_batched[1:]):
-        return _float_call(x, stack, layer), in_batched[0]
-    args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip((x, stack, layer), in_batched)]
-    return jax.lax.map(lambda one: _float_call(*one), tuple(args)), True
+@_call.def_vmap
+def _call_vmap(axis_size, in_batched, x, layer, weights):
+    """Rows batched alone are more rows of one call (the kernel reads any leading shape of x);
+    a batched kernel, scale or layer maps the call over the batch."""
+    outs = len(weights)
+    x_batched, *rest = jax.tree.leaves(in_batched)
+    if not any(rest):
+        return _call(x, layer, weights), (x_batched,) * outs
+    args = jax.tree.map(lambda a, batched: a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)),
+                        (x, layer, weights), tuple(in_batched))
+    return jax.lax.map(lambda one: _call(*one), args), (True,) * outs
 
 
 @jax.custom_vjp
-def _matmul(x, stack, layer):
-    return _float_call(x, stack, layer)
+def _product(x, layer, weights):
+    return _call(x, layer, weights)
 
 
-def _matmul_fwd(x, stack, layer):
-    return _matmul(x, stack, layer), (x, stack, layer)
+def _product_fwd(x, layer, weights):
+    return _product(x, layer, weights), (x, layer, weights)
 
 
-def _matmul_bwd(residuals, grad):
-    x, stack, layer = residuals
-    _, pullback = jax.vjp(lambda a, w: matmul_reference(a, w, layer), x, stack)
-    grad_x, grad_stack = pullback(grad)
-    return grad_x, grad_stack.astype(stack.dtype), None
+def _product_bwd(residuals, grads):
+    """The reference's backward: in x, the int8 kernels' scales and the float stacks (None for
+    the int8 values and the layer index)."""
+    x, layer, weights = residuals
+    floats = tuple(w[1] if isinstance(w, tuple) else w for w in weights)
+
+    def forward(a, differentiable):
+        rebuilt = tuple((w[0], f) if isinstance(w, tuple) else f for w, f in zip(weights, differentiable))
+        return _reference(a, layer, rebuilt)
+
+    _, pullback = jax.vjp(forward, x, floats)
+    grad_x, grad_floats = pullback(tuple(grads))
+    grad_weights = tuple((None, g) if isinstance(w, tuple) else g.astype(w.dtype)
+                         for w, g in zip(weights, grad_floats))
+    return grad_x, None, grad_weights
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
 
 
 def available(folder: Path) -> str | None:

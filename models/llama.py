@@ -29,7 +29,14 @@ from specjax.kernels.dispatch import resolve_impl, verify_attention
 from specjax.models.cache import KVCache, init_cache, write
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.paths import cache_dir
-from specjax.models.quant import HEAD, LayerKernel, PackedKernel, layer_kernel, packed_matmul
+from specjax.models.quant import (
+    HEAD,
+    LayerKernel,
+    PackedKernel,
+    grouped_product,
+    layer_kernel,
+    packed_matmul,
+)
 
 Params = Any
 
@@ -134,6 +141,21 @@ def _dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
     return Linear(features, use_bias=use_bias, dtype=dtype, name=name)
 
 
+def _dense_group(module: nn.Module, x, outputs: list[tuple[str, int]], dtype,
+                 use_bias: bool = False) -> list[jax.Array]:
+    """The `Linear`s (name, features) of `module` that share the input x: one CPU kernel call
+    for the group where their kernels allow it (`quant.grouped_product`: what each `Linear`
+    computes, in one hand-off to the thread pool), else one `Linear` each."""
+    if not module.is_initializing():
+        params = module.variables.get("params", {})
+        kernels = [params.get(name, {}).get("kernel") for name, _ in outputs]
+        products = grouped_product(jnp.asarray(x, dtype), kernels)
+        if products is not None:
+            return [y.astype(dtype) + (jnp.asarray(params[name]["bias"], dtype) if use_bias else 0)
+                    for (name, _), y in zip(outputs, products)]
+    return [_dense(features, name, dtype, use_bias)(x) for name, features in outputs]
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -145,9 +167,10 @@ class Attention(nn.Module):
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         batch, seq = x.shape[:2]
-        q = _dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.attention_bias)(x)
-        k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.attention_bias)(x)
-        v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.attention_bias)(x)
+        q, k, v = _dense_group(self, x, [("q_proj", cfg.num_heads * cfg.head_dim),
+                                         ("k_proj", cfg.num_kv_heads * cfg.head_dim),
+                                         ("v_proj", cfg.num_kv_heads * cfg.head_dim)],
+                               dtype, cfg.attention_bias)
         q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
         k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
@@ -170,8 +193,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.cfg
         dtype = cfg.jnp_dtype
-        gate = _dense(cfg.intermediate_size, "gate_proj", dtype)(x)
-        up = _dense(cfg.intermediate_size, "up_proj", dtype)(x)
+        gate, up = _dense_group(self, x, [("gate_proj", cfg.intermediate_size),
+                                          ("up_proj", cfg.intermediate_size)], dtype)
         return _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
 
 

@@ -297,6 +297,23 @@ def layer_kernel(leaf, index: jax.Array) -> LayerKernel | None:
     return LayerKernel(leaf, index)
 
 
+def grouped_product(x: jax.Array, kernels: list) -> list[jax.Array] | None:
+    """x `[..., K]` times each of `kernels` (layer kernels of one input, e.g. q / k / v) in one
+    CPU kernel call (one hand-off to the thread pool instead of one per kernel) -> f32 outputs,
+    when they are all PackedKernels, or all LayerKernels, of one layer index; else None (the
+    caller multiplies them one by one)."""
+    if not kernels or cpu_kernel_reason() is not None:
+        return None
+    layer = getattr(kernels[0], "layer", None)
+    if layer is None or any(getattr(k, "layer", None) is not layer for k in kernels):
+        return None
+    if all(isinstance(k, PackedKernel) for k in kernels):
+        return qmatmul_cpu.qmatmul_group(x, [(k.packed, k.scale) for k in kernels], layer)
+    if all(isinstance(k, LayerKernel) for k in kernels) and len({k.stack.dtype for k in kernels}) == 1:
+        return qmatmul_cpu.matmul_group(x, [k.stack for k in kernels], layer)
+    return None
+
+
 def quantization_of(params: Params) -> str | None:
     """The mode of the first quantized kernel of `params` ("int8" / "int4" / "fp8"), None if
     none."""

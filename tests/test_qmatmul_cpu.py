@@ -18,7 +18,8 @@
   layer), is row-invariant bit for bit, composes with vmap and grad (in x and the stack), and
   errors on bad input; the layer loop hands f32 / bf16 kernels to it (`quant.LayerKernel`),
   the model's output stays what XLA's path computes, and the decode program copies no
-  weight slice.
+  weight slice; kernels of one input go in one call (`qmatmul_group` / `matmul_group`, the same
+  results as one call each, bit for bit; `quant.grouped_product` groups one kind and one layer).
 """
 from __future__ import annotations
 
@@ -308,4 +309,44 @@ def test_the_f32_decode_program_copies_no_weight_slice():
     sliced = [line for line in text.splitlines() if "dynamic-slice" in line
               and any(f" = {s}" in line or f"= {s}{{" in line for s in shapes)]
     assert not sliced, sliced[:3]
-    assert "specjax_matmul_f32" in text
+    # q / k / v and gate / up go in one call each: 4 calls a layer (o and down alone)
+    assert text.count('custom_call_target="specjax_matmul_f32"') == 4
+
+
+def test_a_group_call_computes_what_its_calls_compute_one_by_one():
+    x = rows(10, (5, 64))
+    int8 = [random_quantized(10 + i, 2, 64, n, mode) for i, (n, mode) in enumerate(
+        [(48, "int8"), (16, "int8"), (32, "int4")])]
+    pairs = [(qmatmul_cpu.pack(q.qvalue), q.scale) for q in int8]
+    grouped = jax.jit(qmatmul_cpu.qmatmul_group)(x, pairs, 1)
+    for (packed, scale), y in zip(pairs, grouped):
+        np.testing.assert_array_equal(y, jax.jit(qmatmul_cpu.qmatmul)(x, packed, scale, 1))
+    stacks = [jax.random.normal(jax.random.PRNGKey(i), (2, 64, n)) for i, n in enumerate((32, 96))]
+    grouped = jax.jit(qmatmul_cpu.matmul_group)(x, stacks, 0)
+    for stack, y in zip(stacks, grouped):
+        np.testing.assert_array_equal(y, jax.jit(qmatmul_cpu.matmul)(x, stack, 0))
+    with pytest.raises(ValueError, match="one dtype"):
+        qmatmul_cpu.matmul_group(x, [stacks[0], stacks[1].astype(jnp.bfloat16)], 0)
+
+    def loss(fn):
+        return lambda a, ws: sum(jnp.sum(jnp.sin(y)) for y in fn(a, ws, 1))
+
+    reference = lambda a, ws, layer: [qmatmul_cpu.matmul_reference(a, w, layer) for w in ws]  # noqa: E731
+    got = jax.grad(loss(qmatmul_cpu.matmul_group), argnums=(0, 1))(x, stacks)
+    want = jax.grad(loss(reference), argnums=(0, 1))(x, stacks)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
+
+
+def test_grouped_product_takes_kernels_of_one_kind_and_layer_only():
+    stack = jax.random.normal(jax.random.PRNGKey(11), (2, 32, 16))
+    q = random_quantized(11, 2, 32, 16, "int8")
+    packed = quant.PackedKernel(qmatmul_cpu.pack(q.qvalue), q.scale, jnp.int32(1))
+    index = jnp.int32(1)
+    x = rows(11, (3, 32))
+    same = quant.grouped_product(x, [quant.LayerKernel(stack, index), quant.LayerKernel(stack, index)])
+    assert same is not None and len(same) == 2
+    assert quant.grouped_product(x, [quant.LayerKernel(stack, index), packed]) is None  # two kinds
+    assert quant.grouped_product(x, [quant.LayerKernel(stack, index),
+                                     quant.LayerKernel(stack, jnp.int32(1))]) is None  # two indices
+    assert quant.grouped_product(x, [stack[0], stack[1]]) is None  # plain arrays: Linear's path

@@ -331,7 +331,7 @@ def test_a_group_call_computes_what_its_calls_compute_one_by_one():
     def loss(fn):
         return lambda a, ws: sum(jnp.sum(jnp.sin(y)) for y in fn(a, ws, 1))
 
-    reference = lambda a, ws, layer: [qmatmul_cpu.matmul_reference(a, w, layer) for w in ws]  # noqa: E731
+    reference = lambda a, ws, layer: [qmatmul_cpu.matmul_reference(a, w, layer) for w in ws]
     got = jax.grad(loss(qmatmul_cpu.matmul_group), argnums=(0, 1))(x, stacks)
     want = jax.grad(loss(reference), argnums=(0, 1))(x, stacks)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

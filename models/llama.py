@@ -303,15 +303,18 @@ def layer_params(layers: Params, index: jax.Array) -> Params:
     multiplies a `LayerKernel` of the whole stack (`quant.layer_kernel`): those kernels read
     the stack in place, where XLA would copy each layer's slice out before its dot."""
 
+    def sliced(leaf):
+        return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
+
     def one(leaf):
         if isinstance(leaf, PackedKernel):
             return dataclasses.replace(leaf, layer=index)
+        if isinstance(leaf, qwix.QArray):  # its values and scales sliced alike
+            return jax.tree.map(sliced, leaf)
         in_place = layer_kernel(leaf, index)
-        if in_place is not None:
-            return in_place
-        return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
+        return sliced(leaf) if in_place is None else in_place
 
-    return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, PackedKernel))
+    return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, (PackedKernel, qwix.QArray)))
 
 
 def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cache, v_cache,

@@ -73,7 +73,7 @@ def weights_of(params) -> str:
     mode = quantization_of(params)
     packed = any(isinstance(leaf, PackedKernel)
                  for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
-    in_place = mode is None and params is not None and float_kernel_reason() is None
+    in_place = mode is None and float_kernel_reason() is None  # (params None: float)
     return (mode or "float") + ("/cpu-kernel" if packed or in_place else "")
 
 

@@ -35,6 +35,19 @@ def switched_off(environ=os.environ) -> bool:
     return environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
 
 
+def one_cpu_reason() -> str | None:
+    """None when a kernel here may run in place of XLA's path: not switched off, the cpu
+    backend, one device (the kernels have no partitioning rule: a mesh keeps XLA's path); else
+    why not. Read at each call (each trace)."""
+    if switched_off():
+        return f"{ENV_SWITCH}=0"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    if jax.device_count() != 1:
+        return f"{jax.device_count()} devices (the kernel runs on one)"
+    return None
+
+
 def compiler() -> str | None:
     """The C++ compiler: `$CXX`, else the first of c++ / g++ / clang++ on the PATH."""
     named = os.environ.get("CXX")

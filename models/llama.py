@@ -286,12 +286,9 @@ def attention_impl(cfg: ModelConfig) -> str:
 
 def cpu_attention_reason(cfg: ModelConfig) -> str | None:
     """None when the CPU attention kernel can run `cfg`'s attention, else why not."""
-    if cpu_ffi.switched_off():  # read at each trace, as `quant.pack_params` reads it
-        return f"{cpu_ffi.ENV_SWITCH}=0"
-    if jax.default_backend() != "cpu":
-        return f"the backend is {jax.default_backend()}, not cpu"
-    if jax.device_count() != 1:  # the kernel has no partitioning rule: a mesh keeps XLA's path
-        return f"{jax.device_count()} devices (the kernel runs on one)"
+    reason = cpu_ffi.one_cpu_reason()  # read at each trace, as `quant.pack_params` reads the switch
+    if reason is not None:
+        return reason
     if cfg.jnp_dtype != jnp.float32:
         return f"a {cfg.dtype} model (the kernel reads an f32 cache)"
     return attention_cpu.available(cache_dir() / "kernels")

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from specjax.kernels import qmatmul_cpu
+from specjax.kernels import cpu_ffi, qmatmul_cpu
 from specjax.models.paths import cache_dir
 
 Params = Any
@@ -279,13 +279,7 @@ def float_kernel_reason() -> str | None:
     """None when the layer loop multiplies float kernels read in place (`LayerKernel`): the
     CPU backend, one device (the kernel has no partitioning rule: a mesh keeps XLA's path),
     the kernel registered; else why not. Read at each trace."""
-    if qmatmul_cpu.switched_off():
-        return f"{qmatmul_cpu.ENV_SWITCH}=0"
-    if jax.default_backend() != "cpu":
-        return f"the backend is {jax.default_backend()}, not cpu"
-    if jax.device_count() != 1:
-        return f"{jax.device_count()} devices (the kernel runs on one)"
-    return cpu_kernel_reason()
+    return cpu_ffi.one_cpu_reason() or cpu_kernel_reason()
 
 
 def layer_kernel(leaf, index: jax.Array) -> LayerKernel | None:

@@ -66,6 +66,15 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
+def source_digest(sources) -> str:
+    """A short hash of the kernels' source files (what a cached measurement of them depends on)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(Path(source).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
 def library_name(source: Path, cxx: str) -> str:
     """The cached library's file name: a hash of source, flags, compiler, CPU and headers."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout

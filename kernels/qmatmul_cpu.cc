@@ -23,7 +23,17 @@
 // layer s32 []
 // y    f32 [M, N]
 //
-// Each output is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
+// Float, rows as stored (SpecjaxMatmulRowsF32, SpecjaxMatmulRowsBF16): an LM head tied to the
+// embedding, whose weights are one row of K per output
+//   y[m, n] = sum_k x[m, k] * w[layer, n, k]
+// x    f32 [M, K]
+// w    f32 or bf16 [L, N, K]      as stored (K a multiple of 8): each output's weights are one
+//                                 contiguous row, read once per tile of up to 6 rows of x
+// layer s32 []
+// y    f32 [M, N]
+// Each output is 8 f32 partial sums over k = i mod 8, in order, then summed in a fixed order.
+//
+// Each output of the column kinds is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
 // thread that computes it: a row's result does not depend on the other rows (batch-invariant).
 // The weights are read once per tile of up to 6 rows of x (a tile of 1-3 rows takes 2-4 column
 // blocks at once); the tiles of one column block re-read it from L1 / L2. Column blocks are
@@ -89,6 +99,16 @@ inline v8f load_bf16(const uint16_t* p) {  // bf16 is the top half of an f32
 inline v8f load_weights(const int8_t* p) { return load_int8(p); }
 inline v8f load_weights(const float* p) { return load_f32(p); }
 inline v8f load_weights(const uint16_t* p) { return load_bf16(p); }
+
+// a * b + c in one rounding where the CPU has FMA: explicit, so that every tile shape computes
+// the same sums (left to the compiler, a contraction can differ between template instances).
+inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 
 inline void store_f32(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
@@ -206,23 +226,33 @@ void tile_rows(const Problem<W>& p, const Stripe<W>& at, int64_t jb, int64_t m0,
   }
 }
 
+constexpr int64_t kStripeBlocks = 4;  // column blocks copied to a stripe at once
+
 // Column blocks [lo, hi), every row: the rows in ceil(M / 6) tiles of balanced size. Where the
-// blocks are strided (a float kernel as stored) and several tiles re-read a block, the block is
-// first copied to a contiguous stripe (thread-local scratch): the same weights in the same
-// order, so the same sums.
+// blocks are strided (a float kernel as stored) and a tile takes one block at a time (4 rows or
+// more: one 64-byte piece of each strided row, a new page every row) or several tiles re-read
+// them, up to 4 blocks are first copied to a contiguous stripe (thread-local scratch), reading
+// 256 contiguous bytes of each row: the same weights in the same order, so the same sums.
 template <typename W>
 void blocks(const Problem<W>& p, int64_t lo, int64_t hi) {
   const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
-  const bool restripe = tiles > 1 && p.row_stride != kBlock;
+  const bool restripe = p.row_stride != kBlock && (tiles > 1 || blocks_per_tile(p.m) == 1);
   thread_local std::vector<W> scratch;
-  if (restripe) scratch.resize(p.k * kBlock);
+  if (restripe) scratch.resize(p.k * kBlock * kStripeBlocks);
+  W* const stripe = scratch.data();  // read once: a thread_local's address is a call away (-fPIC)
   for (int64_t jb0 = lo; jb0 < hi;) {
-    const int64_t span = restripe ? 1 : hi - jb0;  // blocks handled per pass over the rows
+    // blocks handled per pass over the rows
+    const int64_t span = restripe ? std::min(kStripeBlocks, hi - jb0) : hi - jb0;
     Stripe<W> at{p.w + jb0 * p.block_stride, p.row_stride, p.block_stride};
     if (restripe) {
-      for (int64_t k = 0; k < p.k; ++k)
-        std::memcpy(scratch.data() + k * kBlock, at.w + k * p.row_stride, kBlock * sizeof(W));
-      at = Stripe<W>{scratch.data(), kBlock, p.k * kBlock};
+      for (int64_t k = 0; k < p.k; ++k) {
+        if (k + 8 < p.k)
+          for (int64_t b = 0; b < span; ++b) __builtin_prefetch(at.w + b * p.block_stride + (k + 8) * p.row_stride);
+        for (int64_t b = 0; b < span; ++b)
+          std::memcpy(stripe + (b * p.k + k) * kBlock, at.w + b * p.block_stride + k * p.row_stride,
+                      kBlock * sizeof(W));
+      }
+      at = Stripe<W>{stripe, kBlock, p.k * kBlock};
     }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t m0 = p.m * t / tiles, m1 = p.m * (t + 1) / tiles;
@@ -237,20 +267,93 @@ void blocks(const Problem<W>& p, int64_t lo, int64_t hi) {
   }
 }
 
-// The column blocks of one call (every kernel of its group, one after the other), handed out in
+// One rows-layout call: y = x @ w.T, w the chosen layer's [N, K].
+template <typename W>
+struct RowsProblem {
+  const float* x;  // [M, K]
+  const W* w;      // [N, K]
+  float* y;        // [M, N]
+  int64_t m, k, n;
+};
+
+constexpr int64_t kRowsUnit = 16;  // outputs per unit of work handed out
+
+// Rows [m0, m0 + MT) x outputs [n0, n0 + NR): MT x NR vector accumulators over k, 8 at a time;
+// each weight row is read once for the MT rows of x.
+template <typename W, int MT, int NR>
+void rows_tile(const RowsProblem<W>& p, int64_t n0, int64_t m0) {
+  v8f acc[MT][NR];
+  for (int r = 0; r < MT; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = v8f{};
+  const float* x = p.x + m0 * p.k;
+  const W* w = p.w + n0 * p.k;
+  for (int64_t k = 0; k < p.k; k += 8) {
+    v8f xv[MT];
+    for (int r = 0; r < MT; ++r) xv[r] = load_f32(x + r * p.k + k);
+    for (int c = 0; c < NR; ++c) {
+      const v8f wv = load_weights(w + c * p.k + k);
+      for (int r = 0; r < MT; ++r) acc[r][c] = fma8(xv[r], wv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int c = 0; c < NR; ++c) {
+      const v8f a = acc[r][c];
+      p.y[(m0 + r) * p.n + n0 + c] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    }
+}
+
+// Outputs [n0, n1) for a tile of MT rows: NR at a time (NR divides kRowsUnit; at most 12
+// accumulators), a short unit's last ones one by one.
+template <typename W, int MT>
+void rows_span(const RowsProblem<W>& p, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int NR = MT == 1 ? 8 : MT <= 3 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) rows_tile<W, MT, NR>(p, n, m0);
+  for (; n < n1; ++n) rows_tile<W, MT, 1>(p, n, m0);
+}
+
+// Units [lo, hi) (kRowsUnit outputs each, the last one short), every row: a unit's weights
+// (16 rows of K) are read from memory once, then from the caches by each tile of up to 6 rows.
+template <typename W>
+void blocks(const RowsProblem<W>& p, int64_t lo, int64_t hi) {
+  const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
+  for (int64_t u = lo; u < hi; ++u) {
+    const int64_t n0 = u * kRowsUnit, n1 = std::min(n0 + kRowsUnit, p.n);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = p.m * t / tiles, rows = p.m * (t + 1) / tiles - m0;
+      switch (rows) {
+        case 1: rows_span<W, 1>(p, n0, n1, m0); break;
+        case 2: rows_span<W, 2>(p, n0, n1, m0); break;
+        case 3: rows_span<W, 3>(p, n0, n1, m0); break;
+        case 4: rows_span<W, 4>(p, n0, n1, m0); break;
+        case 5: rows_span<W, 5>(p, n0, n1, m0); break;
+        default: rows_span<W, 6>(p, n0, n1, m0); break;
+      }
+    }
+  }
+}
+
+// Units of work of a problem: column blocks, or kRowsUnit outputs of a rows problem.
+template <typename W>
+int64_t units(const Problem<W>& p) { return p.m == 0 ? 0 : p.n / kBlock; }
+template <typename W>
+int64_t units(const RowsProblem<W>& p) { return p.m == 0 ? 0 : (p.n + kRowsUnit - 1) / kRowsUnit; }
+
+// The units of one call (the column blocks of every kernel of its group, one after the other;
+// or a rows problem's outputs), handed out in
 // chunks to whichever thread asks next: the calling thread and the helpers it scheduled on
 // XLA's pool. Shared (heap) state, so a helper the pool starts after the call has returned finds
 // no chunk left and leaves.
-template <typename W>
+template <typename P>
 struct Work {
-  std::vector<Problem<W>> problems;
+  std::vector<P> problems;
   std::vector<int64_t> first;  // problems[i]'s blocks are [first[i], first[i + 1])
   int64_t nblocks = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-template <typename W>
-void run_chunks(Work<W>& work) {
+template <typename P>
+void run_chunks(Work<P>& work) {
   for (;;) {
     const int64_t lo = work.next.fetch_add(work.chunk, std::memory_order_relaxed);
     if (lo >= work.nblocks) return;
@@ -271,12 +374,11 @@ int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 
 // Runs the call: the column blocks of all its kernels shared out over the calling thread and
 // XLA's pool (one hand-off for the group: kernels of one input, e.g. q / k / v, go together).
-template <typename W>
-ffi::Error run(ffi::ThreadPool& pool, std::vector<Problem<W>> problems) {
-  auto work = std::make_shared<Work<W>>();
+template <typename P>
+ffi::Error run(ffi::ThreadPool& pool, std::vector<P> problems) {
+  auto work = std::make_shared<Work<P>>();
   work->first.push_back(0);
-  for (const auto& p : problems)
-    work->first.push_back(work->first.back() + (p.m == 0 ? 0 : p.n / kBlock));
+  for (const auto& p : problems) work->first.push_back(work->first.back() + units(p));
   work->problems = std::move(problems);
   const int64_t nblocks = work->nblocks = work->first.back();
   if (nblocks == 0) return ffi::Error::Success();
@@ -372,34 +474,56 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return run(pool, std::move(problems));
 }
 
-// x @ each float kernel of the group: args (w_0, w_1, ...), results (y_0, y_1, ...).
+// One rows-layout kernel: w [L, N, K] as stored (K a multiple of 8).
 template <typename W>
+ffi::ErrorOr<RowsProblem<W>> rows_problem(const float* x, int64_t x_count, ffi::AnyBuffer w,
+                                          ffi::Result<ffi::AnyBuffer> y, int64_t l) {
+  const ffi::DataType want = std::is_same_v<W, float> ? ffi::F32 : ffi::BF16;
+  if (w.element_type() != want || y->element_type() != ffi::F32)
+    return ffi::Unexpected(invalid("matmul_rows: the kernels of a call must share one dtype, y f32"));
+  const auto wd = w.dimensions();
+  const size_t wr = wd.size();
+  if (wr < 3 || product(wd, 0, wr - 3) != 1) return ffi::Unexpected(invalid("matmul_rows: w must be [L, N, K]"));
+  const int64_t L = wd[wr - 3], N = wd[wr - 2], K = wd[wr - 1];
+  if (K % 8 != 0) return ffi::Unexpected(invalid("matmul_rows: K must be a multiple of 8"));
+  int64_t M = 0;
+  if (auto error = check_rows("matmul_rows", x_count, y->element_count(), K, N, l, L, M); error.failure())
+    return ffi::Unexpected(error);
+  return RowsProblem<W>{x, static_cast<const W*>(w.untyped_data()) + l * N * K,
+                        static_cast<float*>(y->untyped_data()), M, K, N};
+}
+
+// x @ each float kernel of the group: args (w_0, w_1, ...), results (y_0, y_1, ...); Make
+// reads one kernel's problem (float_problem, rows_problem).
+template <typename P, ffi::ErrorOr<P> (*Make)(const float*, int64_t, ffi::AnyBuffer,
+                                               ffi::Result<ffi::AnyBuffer>, int64_t)>
 ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto l = layer_of(layer);
   if (l.has_error()) return l.error();
   if (args.size() != rets.size() || rets.size() == 0) return invalid("matmul: a kernel per result");
-  std::vector<Problem<W>> problems;
+  std::vector<P> problems;
   for (size_t i = 0; i < rets.size(); ++i) {
     auto w = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (w.has_error() || y.has_error()) return invalid("matmul: bad operands");
-    auto p = float_problem<W>(x.typed_data(), x.element_count(), *w, *y, *l);
+    auto p = Make(x.typed_data(), x.element_count(), *w, *y, *l);
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
   return run(pool, std::move(problems));
 }
 
-ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                     ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return MatmulFloat<float>(pool, x, layer, args, rets);
-}
+#define SPECJAX_FLOAT_KIND(name, P, Make)                                                      \
+  ffi::Error name(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, \
+                  ffi::RemainingArgs args, ffi::RemainingRets rets) {                         \
+    return MatmulFloat<P, Make>(pool, x, layer, args, rets);                                  \
+  }
 
-ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                      ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return MatmulFloat<uint16_t>(pool, x, layer, args, rets);
-}
+SPECJAX_FLOAT_KIND(MatmulF32, Problem<float>, float_problem<float>)
+SPECJAX_FLOAT_KIND(MatmulBF16, Problem<uint16_t>, float_problem<uint16_t>)
+SPECJAX_FLOAT_KIND(MatmulRowsF32, RowsProblem<float>, rows_problem<float>)
+SPECJAX_FLOAT_KIND(MatmulRowsBF16, RowsProblem<uint16_t>, rows_problem<uint16_t>)
 
 }  // namespace
 
@@ -415,3 +539,5 @@ ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 SPECJAX_GROUP_HANDLER(SpecjaxQMatmulInt8, QMatmulInt8)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulF32, MatmulF32)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulBF16, MatmulBF16)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulRowsF32, MatmulRowsF32)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulRowsBF16, MatmulRowsBF16)

@@ -6,6 +6,8 @@ FFI, and their jnp references.
     y = qmatmul_reference(x, w, scale, layer)
     y = matmul(x, stack, layer)              # a float stack f32 / bf16 [L, K, N] as stored
     y = matmul_reference(x, stack, layer)
+    y = matmul_rows(x, stack, layer)         # rows as stored f32 / bf16 [L, N, K]: x @ stack[layer].T
+    y = matmul_rows_reference(x, stack, layer)
 
 `y = x @ (w[layer] * scale[layer])`, the scale per output channel (`[L, 1, N]`) or per block of
 K / G inputs (`[L, G, N]`). Why a kernel: XLA CPU dequantizes an int8 kernel to f32 in a fusion
@@ -20,6 +22,12 @@ Each output is one f32 sum over k in order, the same whatever the number of rows
 copies each layer's slice of a stacked kernel before its dot reads it (a `dynamic-slice` fusion
 per kernel per layer: every weight read, written and read again each step); the kernel reads
 the stack as stored, a column block of 16 row after row (N a multiple of 16).
+
+`matmul_rows` multiplies by a kernel held one row per output (`[N, K]`: an LM head tied to the
+embedding, `y = x @ embedding.T`). XLA CPU runs that product as a gemv at one row of x, but as
+a gemm 3-4x slower at 2-9 rows (SmolLM2's 113 MB f32 head: 5.7 ms at one row, 17-26 ms at
+2-3), so every verify of a few draft tokens paid it; the kernel reads each output's row once
+per 6 rows of x.
 
 The source is compiled on first use (`kernels.cpu_ffi`: `-O3 -march=native`, cached in
 `$SPECJAX_CACHE/kernels`). `SPECJAX_CPU_KERNELS=0` switches it off; without a compiler, or when
@@ -40,7 +48,25 @@ BLOCK = 16
 #: the FFI targets' names: the int8 kernel, and the float kernel per weight dtype
 TARGET = "specjax_qmatmul_int8"
 FLOAT_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_f32", jnp.dtype(jnp.bfloat16): "specjax_matmul_bf16"}
+ROWS_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_rows_f32",
+                jnp.dtype(jnp.bfloat16): "specjax_matmul_rows_bf16"}
 SOURCE = Path(__file__).with_name("qmatmul_cpu.cc")
+
+
+@jax.tree_util.register_pytree_node_class
+class Rows:
+    """A float stack `[L, N, K]` held one row of K weights per output (`matmul_rows`), as one
+    weight of a kernel call."""
+
+    def __init__(self, stack):
+        self.stack = stack
+
+    def tree_flatten(self):
+        return (self.stack,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        return cls(*leaves)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +126,19 @@ def matmul_reference(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> 
     return jnp.matmul(x.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
 
 
+def rows_kernel_fits(stack) -> bool:
+    """Whether `matmul_rows` multiplies by this stack: f32 / bf16 `[L, N, K]`, K a positive
+    multiple of 8, N > 0."""
+    return (getattr(stack, "ndim", 0) == 3 and jnp.dtype(stack.dtype) in ROWS_TARGETS
+            and stack.shape[1] > 0 and stack.shape[2] > 0 and stack.shape[2] % 8 == 0)
+
+
+def matmul_rows_reference(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x `[..., K]` @ stack[layer].T (f32 products and sums) -> f32 `[..., N]`: jnp."""
+    kernel = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
+    return jnp.matmul(x.astype(jnp.float32), kernel.T, precision=jax.lax.Precision.HIGHEST)
+
+
 def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]`, scale f32 `[L, G, N]`, layer int32 `[]`
     -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
@@ -136,22 +175,46 @@ def matmul_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array
     return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), tuple(stacks)))
 
 
+def matmul_rows(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x `[..., K]` (cast to f32), stack f32 / bf16 `[L, N, K]` (`rows_kernel_fits`), layer
+    int32 `[]` -> f32 `[..., N]` = x @ stack[layer].T by the CPU kernel (call `available()`
+    first). Differentiable in x and the stack (the backward pass is the reference's)."""
+    if not rows_kernel_fits(stack) or x.shape[-1] != stack.shape[2]:
+        raise ValueError(f"matmul_rows: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
+                         "(an f32 / bf16 [L, N, K] stack, K a multiple of 8)")
+    return _product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), (Rows(stack),))[0]
+
+
 def _widths(weights) -> list[int]:
-    """Each kernel's N: packed int8 (packed, scale) pairs, or float stacks `[L, K, N]`."""
-    return [w[0].shape[1] * BLOCK if isinstance(w, tuple) else w.shape[-1] for w in weights]
+    """Each kernel's N: packed int8 (packed, scale) pairs, float stacks `[L, K, N]`, or Rows
+    `[L, N, K]`."""
+    return [w[0].shape[1] * BLOCK if isinstance(w, tuple) else w.stack.shape[1] if isinstance(w, Rows)
+            else w.shape[-1] for w in weights]
 
 
 def _reference(x, layer, weights) -> tuple:
-    return tuple(qmatmul_reference(x, *w, layer) if isinstance(w, tuple) else matmul_reference(x, w, layer)
-                 for w in weights)
+    def one(w):
+        if isinstance(w, tuple):
+            return qmatmul_reference(x, *w, layer)
+        if isinstance(w, Rows):
+            return matmul_rows_reference(x, w.stack, layer)
+        return matmul_reference(x, w, layer)
+    return tuple(one(w) for w in weights)
+
+
+def _target(first) -> str:
+    """The FFI target of a call whose first weight is `first` (a call holds one kind)."""
+    if isinstance(first, tuple):
+        return TARGET
+    if isinstance(first, Rows):
+        return ROWS_TARGETS[jnp.dtype(first.stack.dtype)]
+    return FLOAT_TARGETS[jnp.dtype(first.dtype)]
 
 
 @jax.custom_batching.custom_vmap
 def _call(x, layer, weights):
-    first = weights[0]
-    target = TARGET if isinstance(first, tuple) else FLOAT_TARGETS[jnp.dtype(first.dtype)]
     outs = tuple(jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32) for n in _widths(weights))
-    return tuple(jax.ffi.ffi_call(target, outs)(x, layer, *jax.tree.leaves(weights)))
+    return tuple(jax.ffi.ffi_call(_target(weights[0]), outs)(x, layer, *jax.tree.leaves(weights)))
 
 
 @_call.def_vmap
@@ -180,16 +243,21 @@ def _product_bwd(residuals, grads):
     """The reference's backward: in x, the int8 kernels' scales and the float stacks (None for
     the int8 values and the layer index)."""
     x, layer, weights = residuals
-    floats = tuple(w[1] if isinstance(w, tuple) else w for w in weights)
 
-    def forward(a, differentiable):
-        rebuilt = tuple((w[0], f) if isinstance(w, tuple) else f for w, f in zip(weights, differentiable))
-        return _reference(a, layer, rebuilt)
+    def differentiable(w):
+        return w[1] if isinstance(w, tuple) else w.stack if isinstance(w, Rows) else w
 
+    def rebuilt(w, f):
+        return (w[0], f) if isinstance(w, tuple) else Rows(f) if isinstance(w, Rows) else f
+
+    def forward(a, floats):
+        return _reference(a, layer, tuple(rebuilt(w, f) for w, f in zip(weights, floats)))
+
+    floats = tuple(differentiable(w) for w in weights)
     _, pullback = jax.vjp(forward, x, floats)
     grad_x, grad_floats = pullback(tuple(grads))
-    grad_weights = tuple((None, g) if isinstance(w, tuple) else g.astype(w.dtype)
-                         for w, g in zip(weights, grad_floats))
+    grad_weights = tuple((None, g) if isinstance(w, tuple) else rebuilt(w, g.astype(f.dtype))
+                         for w, f, g in zip(weights, floats, grad_floats))
     return grad_x, None, grad_weights
 
 
@@ -201,5 +269,7 @@ def available(folder: Path) -> str | None:
     process), else the reason they are not (switched off, no compiler, a failed build)."""
     return cpu_ffi.available(SOURCE, {TARGET: "SpecjaxQMatmulInt8",
                                       FLOAT_TARGETS[jnp.dtype(jnp.float32)]: "SpecjaxMatmulF32",
-                                      FLOAT_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulBF16"},
+                                      FLOAT_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulBF16",
+                                      ROWS_TARGETS[jnp.dtype(jnp.float32)]: "SpecjaxMatmulRowsF32",
+                                      ROWS_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulRowsBF16"},
                               folder)

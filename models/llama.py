@@ -33,6 +33,7 @@ from specjax.models.quant import (
     HEAD,
     LayerKernel,
     PackedKernel,
+    float_head_product,
     grouped_product,
     layer_kernel,
     packed_matmul,
@@ -255,12 +256,15 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden):
         """`[..., H]` -> f32 logits `[..., V]`."""
-        if HEAD in self.variables.get("params", {}):  # an int8 head (`models.quant`)
-            out = self.quantized_head(hidden)
-        elif self.cfg.tie_word_embeddings:
-            out = self.embed_tokens.attend(hidden)
-        else:
-            out = self.lm_head(hidden)
+        params = self.variables.get("params", {})
+        if HEAD in params:  # an int8 head (`models.quant`)
+            return self.quantized_head(hidden).astype(jnp.float32)
+        tied = self.cfg.tie_word_embeddings
+        weights = params.get("embed_tokens" if tied else "lm_head", {})
+        out = float_head_product(hidden, weights.get("embedding" if tied else "kernel"), rows=tied)
+        if out is not None:  # the CPU kernel
+            return out
+        out = self.embed_tokens.attend(hidden) if tied else self.lm_head(hidden)
         return out.astype(jnp.float32)
 
     def embed(self, tokens):

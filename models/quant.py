@@ -291,6 +291,24 @@ def layer_kernel(leaf, index: jax.Array) -> LayerKernel | None:
     return LayerKernel(leaf, index)
 
 
+def float_head_product(hidden: jax.Array, weights, rows: bool) -> jax.Array | None:
+    """hidden `[..., H]` times a float LM head by the CPU kernel -> f32 logits `[..., V]`: the
+    embedding `[V, H]` of a tied head (rows: `hidden @ weights.T`, `qmatmul_cpu.matmul_rows`),
+    or an lm_head kernel `[H, V]` (`qmatmul_cpu.matmul`), read as stored, where
+    `float_kernel_reason` is None and the kernel fits; else None (the caller's XLA product).
+    XLA CPU multiplies a head by one row as a gemv, by 2-9 rows as a gemm several times slower
+    (a verify of a few draft tokens paid that), and the two round apart; the kernel's rows do
+    not depend on each other, so a verify's logits are a plain step's bit for bit."""
+    if not isinstance(weights, jax.Array) or float_kernel_reason() is not None:
+        return None
+    stack = weights[None]
+    if rows and qmatmul_cpu.rows_kernel_fits(stack):
+        return qmatmul_cpu.matmul_rows(hidden, stack, 0)
+    if not rows and qmatmul_cpu.float_kernel_fits(stack):
+        return qmatmul_cpu.matmul(hidden, stack, 0)
+    return None
+
+
 def grouped_product(x: jax.Array, kernels: list) -> list[jax.Array] | None:
     """x `[..., K]` times each of `kernels` (layer kernels of one input, e.g. q / k / v) in one
     CPU kernel call (one hand-off to the thread pool instead of one per kernel) -> f32 outputs,

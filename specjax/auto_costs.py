@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
+from specjax.kernels import attention_cpu, cpu_ffi, qmatmul_cpu
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, attention_impl
@@ -45,7 +46,8 @@ from specjax.xla_options import current_options, program
 #: (2: model-based drafters' plain branch syncs instead of proposing, so it costs less; 3: the
 #: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts, a
 #: call's own cost, from calls of 1 and 4 steps, left out; 5: the wide width with `CONTEXT`
-#: tokens cached where a step's cost follows the width alone, `cached_tokens`)
+#: tokens cached where a step's cost follows the width alone, `cached_tokens`; on CPU the key
+#: names the kernels' sources, `cost_key`)
 VERSION = 5
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
@@ -80,14 +82,17 @@ def weights_of(params) -> str:
 def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
     config, how its weights are held and the attention that runs), the drafter, the branches,
-    the batch size and the profiled cache widths (JSON-able, compared whole on load)."""
+    the batch size and the profiled cache widths (JSON-able, compared whole on load). On the CPU
+    backend it names the C++ kernels' sources too: a changed kernel changes the costs."""
     device = jax.devices()[0]
+    kernels = {"kernels": cpu_ffi.source_digest((qmatmul_cpu.SOURCE, attention_cpu.SOURCE))} if (
+        jax.default_backend() == "cpu") else {}
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
             "model": repr(target), "weights": weights_of(params), "drafter": repr(drafter.inner),
             "attention": [attention_impl(cfg) for cfg in attention_configs(target, drafter)],
             "lengths": list(drafter.lengths),
-            "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | (
+            "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | kernels | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 
 

@@ -232,7 +232,7 @@ def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype):
     stack = jax.random.normal(jax.random.PRNGKey(2), (2, 96, 80), dtype)
     x = rows(2, (20, 96))
     together = jax.jit(qmatmul_cpu.matmul)(x, stack, 1)  # 4 row tiles: the restriped path
-    for lo, hi in ((0, 1), (0, 3), (0, 7), (5, 6), (12, 20)):
+    for lo, hi in ((0, 1), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):  # (2, 6): one tile, restriped
         np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul)(x[lo:hi], stack, 1), together[lo:hi])
 
 
@@ -309,8 +309,70 @@ def test_the_f32_decode_program_copies_no_weight_slice():
     sliced = [line for line in text.splitlines() if "dynamic-slice" in line
               and any(f" = {s}" in line or f"= {s}{{" in line for s in shapes)]
     assert not sliced, sliced[:3]
-    # q / k / v and gate / up go in one call each: 4 calls a layer (o and down alone)
-    assert text.count('custom_call_target="specjax_matmul_f32"') == 4
+    # q / k / v and gate / up go in one call each: 4 calls a layer (o and down alone), and the
+    # untied lm_head one more (outside the layer loop)
+    assert not cfg.tie_word_embeddings
+    assert text.count('custom_call_target="specjax_matmul_f32"') == 4 + 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 2), k=st.sampled_from([8, 32, 96]), n=st.integers(1, 70),
+       m=st.integers(0, 14), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+def test_rows_kernel_equals_reference(layers, k, n, m, dtype, seed):
+    stack = jax.random.normal(jax.random.PRNGKey(seed), (layers, n, k), dtype)  # n: ragged units
+    x = rows(seed, (m, k))
+    for layer in range(layers):
+        got = jax.jit(qmatmul_cpu.matmul_rows)(x, stack, layer)
+        want = qmatmul_cpu.matmul_rows_reference(x, stack, layer)
+        assert got.shape == (m, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want), initial=1)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_layout_result_does_not_depend_on_the_other_rows(dtype):
+    stack = jax.random.normal(jax.random.PRNGKey(5), (1, 101, 64), dtype)  # 101: a short last unit
+    x = rows(5, (20, 64))
+    together = jax.jit(qmatmul_cpu.matmul_rows)(x, stack, 0)
+    for lo, hi in ((0, 1), (0, 2), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):
+        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul_rows)(x[lo:hi], stack, 0), together[lo:hi])
+
+
+def test_the_rows_kernel_composes_with_vmap_and_grad_and_checks_its_input():
+    stack = jax.random.normal(jax.random.PRNGKey(6), (2, 40, 32), jnp.float32)
+    x = rows(6, (4, 3, 32))
+    ref = qmatmul_cpu.matmul_rows_reference
+    by_rows = jax.jit(jax.vmap(lambda a: qmatmul_cpu.matmul_rows(a, stack, 1)))(x)
+    np.testing.assert_allclose(by_rows, ref(x, stack, 1), rtol=1e-5, atol=1e-5)
+
+    def loss(fn):
+        return lambda a, w: jnp.sum(jnp.sin(fn(a, w, 1)))
+
+    got = jax.grad(loss(qmatmul_cpu.matmul_rows), argnums=(0, 1))(x, stack)
+    want = jax.grad(loss(ref), argnums=(0, 1))(x, stack)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
+    with pytest.raises(ValueError, match="do not fit"):  # K not a multiple of 8
+        qmatmul_cpu.matmul_rows(rows(6, (1, 12)), jnp.ones((1, 40, 12)), 0)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
+        jax.jit(qmatmul_cpu.matmul_rows)(rows(6, (1, 32)), stack, 2).block_until_ready()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_goes_through_the_kernel_and_computes_xlas_logits(tied, monkeypatch):
+    cfg = tiny_config(tie_word_embeddings=tied)
+    params = init_params(cfg, jax.random.PRNGKey(10))
+    tokens = jnp.asarray(np.random.default_rng(10).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+
+    def step():
+        return jax.jit(lambda p: forward(cfg, p, tokens, positions, init_cache(cfg, 2, 8)).logits)
+
+    text = step().lower(params).compile().as_text()
+    assert text.count('custom_call_target="specjax_matmul_rows_f32"') == (1 if tied else 0)
+    by_kernel = step()(params)
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")
+    assert "specjax_matmul" not in step().lower(params).compile().as_text()
+    np.testing.assert_allclose(by_kernel, step()(params), rtol=1e-4, atol=1e-4)
 
 
 def test_a_group_call_computes_what_its_calls_compute_one_by_one():

@@ -8,10 +8,14 @@ benchmarks/results/head_kernel_ab.md.
 
     python benchmarks/head_kernel_ab.py [--prompts PATH]
 """
-import sys, json
+import json
+import sys
+
 import numpy as np
+
 import specjax
 from specjax.measure.datasets import load_prompt_set, select_rows
+
 model = specjax.load("smollm2-135m", dtype="float32")
 rows = load_prompt_set(sys.argv[sys.argv.index("--prompts") + 1] if "--prompts" in sys.argv
                        else "../shared/data/spec_bench/question.jsonl")
@@ -22,7 +26,8 @@ def rate(B, draft):
     tok = sec = 0.0
     for g in groups:
         out = specjax.generate(model, g, **opts)
-        tok += sum(o.num_new_tokens for o in out); sec += out[0].times.decode_s
+        tok += sum(o.num_new_tokens for o in out)
+        sec += out[0].times.decode_s
     return tok / sec
 res = {}
 for B in (1, 8):

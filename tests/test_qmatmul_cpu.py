@@ -228,29 +228,37 @@ def test_float_kernel_equals_reference(layers, k, nblocks, m, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype):
-    stack = jax.random.normal(jax.random.PRNGKey(2), (2, 96, 80), dtype)
-    x = rows(2, (20, 96))
-    together = jax.jit(qmatmul_cpu.matmul)(x, stack, 1)  # 4 row tiles: the restriped path
-    for lo, hi in ((0, 1), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):  # (2, 6): one tile, restriped
-        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul)(x[lo:hi], stack, 1), together[lo:hi])
+@pytest.mark.parametrize("kernel, shape", [
+    (qmatmul_cpu.matmul, (2, 96, 80)),  # [L, K, N]; 20 rows: 4 row tiles, the restriped path
+    (qmatmul_cpu.matmul_rows, (2, 101, 64)),  # [L, N, K]; N = 101: a short last unit
+])
+def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype, kernel, shape):
+    stack = jax.random.normal(jax.random.PRNGKey(2), shape, dtype)
+    k = shape[1] if kernel is qmatmul_cpu.matmul else shape[2]
+    x = rows(2, (20, k))
+    together = jax.jit(kernel)(x, stack, 1)
+    for lo, hi in ((0, 1), (0, 2), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):  # (2, 6): one tile
+        np.testing.assert_array_equal(jax.jit(kernel)(x[lo:hi], stack, 1), together[lo:hi])
 
 
-def test_the_float_kernel_composes_with_vmap_and_grad():
-    stack = jax.random.normal(jax.random.PRNGKey(3), (2, 32, 48), jnp.float32)
+@pytest.mark.parametrize("kernel, reference, shape", [
+    (qmatmul_cpu.matmul, qmatmul_cpu.matmul_reference, (2, 32, 48)),  # [L, K, N]
+    (qmatmul_cpu.matmul_rows, qmatmul_cpu.matmul_rows_reference, (2, 40, 32)),  # [L, N, K]
+])
+def test_the_float_kernels_compose_with_vmap_and_grad(kernel, reference, shape):
+    stack = jax.random.normal(jax.random.PRNGKey(3), shape, jnp.float32)
     x = rows(3, (4, 3, 32))
-    ref = qmatmul_cpu.matmul_reference
-    by_rows = jax.jit(jax.vmap(lambda a: qmatmul_cpu.matmul(a, stack, 1)))(x)
-    np.testing.assert_allclose(by_rows, ref(x, stack, 1), rtol=1e-5, atol=1e-5)
-    by_layer = jax.jit(jax.vmap(lambda i: qmatmul_cpu.matmul(x[0], stack, i)))(jnp.arange(2))
+    by_rows = jax.jit(jax.vmap(lambda a: kernel(a, stack, 1)))(x)
+    np.testing.assert_allclose(by_rows, reference(x, stack, 1), rtol=1e-5, atol=1e-5)
+    by_layer = jax.jit(jax.vmap(lambda i: kernel(x[0], stack, i)))(jnp.arange(2))
     for i in range(2):
-        np.testing.assert_allclose(by_layer[i], ref(x[0], stack, i), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_layer[i], reference(x[0], stack, i), rtol=1e-5, atol=1e-5)
 
     def loss(fn):
         return lambda a, w: jnp.sum(jnp.sin(fn(a, w, 1)))
 
-    got = jax.grad(loss(qmatmul_cpu.matmul), argnums=(0, 1))(x, stack)
-    want = jax.grad(loss(ref), argnums=(0, 1))(x, stack)
+    got = jax.grad(loss(kernel), argnums=(0, 1))(x, stack)
+    want = jax.grad(loss(reference), argnums=(0, 1))(x, stack)
     assert not np.any(np.asarray(got[1][0]))  # layer 0 took no part
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
@@ -328,31 +336,12 @@ def test_rows_kernel_equals_reference(layers, k, n, m, dtype, seed):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want), initial=1)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_rows_layout_result_does_not_depend_on_the_other_rows(dtype):
-    stack = jax.random.normal(jax.random.PRNGKey(5), (1, 101, 64), dtype)  # 101: a short last unit
-    x = rows(5, (20, 64))
-    together = jax.jit(qmatmul_cpu.matmul_rows)(x, stack, 0)
-    for lo, hi in ((0, 1), (0, 2), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):
-        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul_rows)(x[lo:hi], stack, 0), together[lo:hi])
-
-
-def test_the_rows_kernel_composes_with_vmap_and_grad_and_checks_its_input():
+def test_bad_rows_input_is_an_error():
     stack = jax.random.normal(jax.random.PRNGKey(6), (2, 40, 32), jnp.float32)
-    x = rows(6, (4, 3, 32))
-    ref = qmatmul_cpu.matmul_rows_reference
-    by_rows = jax.jit(jax.vmap(lambda a: qmatmul_cpu.matmul_rows(a, stack, 1)))(x)
-    np.testing.assert_allclose(by_rows, ref(x, stack, 1), rtol=1e-5, atol=1e-5)
-
-    def loss(fn):
-        return lambda a, w: jnp.sum(jnp.sin(fn(a, w, 1)))
-
-    got = jax.grad(loss(qmatmul_cpu.matmul_rows), argnums=(0, 1))(x, stack)
-    want = jax.grad(loss(ref), argnums=(0, 1))(x, stack)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(w))))
     with pytest.raises(ValueError, match="do not fit"):  # K not a multiple of 8
         qmatmul_cpu.matmul_rows(rows(6, (1, 12)), jnp.ones((1, 40, 12)), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        qmatmul_cpu.matmul_rows(rows(6, (1, 40)), stack, 0)
     with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
         jax.jit(qmatmul_cpu.matmul_rows)(rows(6, (1, 32)), stack, 2).block_until_ready()
 

@@ -25,8 +25,8 @@ the stack as stored, a column block of 16 row after row (N a multiple of 16).
 
 `matmul_rows` multiplies by a kernel held one row per output (`[N, K]`: an LM head tied to the
 embedding, `y = x @ embedding.T`). XLA CPU runs that product as a gemv at one row of x, but as
-a gemm 3-4x slower at 2-9 rows (SmolLM2's 113 MB f32 head: 5.7 ms at one row, 17-26 ms at
-2-3), so every verify of a few draft tokens paid it; the kernel reads each output's row once
+a gemm 3-4x slower at 2-9 rows (SmolLM2's 113 MB f32 head: 3-4 ms at one row, 8-16 ms at
+2-5), so every verify of a few draft tokens paid it; the kernel reads each output's row once
 per 6 rows of x.
 
 The source is compiled on first use (`kernels.cpu_ffi`: `-O3 -march=native`, cached in
@@ -35,6 +35,8 @@ the build fails, the callers keep XLA's path (`available()` says why).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -53,20 +55,13 @@ ROWS_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_rows_f32",
 SOURCE = Path(__file__).with_name("qmatmul_cpu.cc")
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stack"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
 class Rows:
     """A float stack `[L, N, K]` held one row of K weights per output (`matmul_rows`), as one
     weight of a kernel call."""
 
-    def __init__(self, stack):
-        self.stack = stack
-
-    def tree_flatten(self):
-        return (self.stack,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, leaves):
-        return cls(*leaves)
+    stack: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------

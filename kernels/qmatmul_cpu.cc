@@ -17,8 +17,8 @@
 //   y[m, n] = sum_k x[m, k] * w[layer, k, n]
 // x    f32 [M, K]
 // w    f32 or bf16 [L, K, N]      the stacked params as stored (N a multiple of 16): a column
-//                                 block is read row after row with a stride of N; a call of more
-//                                 than one row tile first copies the block to a contiguous
+//                                 block is read row after row with a stride of N; a call of 4
+//                                 rows or more first copies 4 blocks at a time to a contiguous
 //                                 scratch stripe (the strided rows would alias in the caches)
 // layer s32 []
 // y    f32 [M, N]
@@ -340,9 +340,8 @@ template <typename W>
 int64_t units(const RowsProblem<W>& p) { return p.m == 0 ? 0 : (p.n + kRowsUnit - 1) / kRowsUnit; }
 
 // The units of one call (the column blocks of every kernel of its group, one after the other;
-// or a rows problem's outputs), handed out in
-// chunks to whichever thread asks next: the calling thread and the helpers it scheduled on
-// XLA's pool. Shared (heap) state, so a helper the pool starts after the call has returned finds
+// or a rows problem's outputs), handed out in chunks to whichever thread asks next: the calling
+// thread and the helpers it scheduled on XLA's pool. Shared (heap) state, so a helper the pool starts after the call has returned finds
 // no chunk left and leaves.
 template <typename P>
 struct Work {

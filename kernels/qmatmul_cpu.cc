@@ -23,6 +23,11 @@
 // layer s32 []
 // y    f32 [M, N]
 //
+// Float, packed (SpecjaxMatmulBlocksF32, SpecjaxMatmulBlocksBF16): the same product
+// w    f32 or bf16 [L, N / 16, K, 16]  packed as the int8 kernel (python: qmatmul_cpu.pack),
+//                                 each column block one contiguous stream; the same tiles and
+//                                 sums as the stored layout's, without the restriping
+//
 // Float, rows as stored (SpecjaxMatmulRowsF32, SpecjaxMatmulRowsBF16): an LM head tied to the
 // embedding, whose weights are one row of K per output
 //   y[m, n] = sum_k x[m, k] * w[layer, n, k]
@@ -453,6 +458,26 @@ ffi::ErrorOr<Problem<W>> float_problem(const float* x, int64_t x_count, ffi::Any
                     static_cast<float*>(y->untyped_data()), M, K, N, 1, N, kBlock};
 }
 
+// One float kernel of a group packed in column blocks: w [L, N/16, K, 16] (W: float, or
+// uint16_t holding bf16), each block one contiguous stream as the int8 kernel's.
+template <typename W>
+ffi::ErrorOr<Problem<W>> blocks_problem(const float* x, int64_t x_count, ffi::AnyBuffer w,
+                                        ffi::Result<ffi::AnyBuffer> y, int64_t l) {
+  const ffi::DataType want = std::is_same_v<W, float> ? ffi::F32 : ffi::BF16;
+  if (w.element_type() != want || y->element_type() != ffi::F32)
+    return ffi::Unexpected(invalid("matmul_blocks: the kernels of a call must share one dtype, y f32"));
+  const auto wd = w.dimensions();
+  const size_t wr = wd.size();
+  if (wr < 4 || wd[wr - 1] != kBlock || product(wd, 0, wr - 4) != 1)
+    return ffi::Unexpected(invalid("matmul_blocks: w must be [L, N/16, K, 16]"));
+  const int64_t L = wd[wr - 4], nblocks = wd[wr - 3], K = wd[wr - 2], N = nblocks * kBlock;
+  int64_t M = 0;
+  if (auto error = check_rows("matmul_blocks", x_count, y->element_count(), K, N, l, L, M); error.failure())
+    return ffi::Unexpected(error);
+  return Problem<W>{x, static_cast<const W*>(w.untyped_data()) + l * nblocks * K * kBlock, nullptr,
+                    static_cast<float*>(y->untyped_data()), M, K, N, 1, kBlock, K * kBlock};
+}
+
 // x @ each int8 kernel of the group: args (w_0, s_0, w_1, s_1, ...), results (y_0, y_1, ...).
 ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -521,6 +546,8 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 SPECJAX_FLOAT_KIND(MatmulF32, Problem<float>, float_problem<float>)
 SPECJAX_FLOAT_KIND(MatmulBF16, Problem<uint16_t>, float_problem<uint16_t>)
+SPECJAX_FLOAT_KIND(MatmulBlocksF32, Problem<float>, blocks_problem<float>)
+SPECJAX_FLOAT_KIND(MatmulBlocksBF16, Problem<uint16_t>, blocks_problem<uint16_t>)
 SPECJAX_FLOAT_KIND(MatmulRowsF32, RowsProblem<float>, rows_problem<float>)
 SPECJAX_FLOAT_KIND(MatmulRowsBF16, RowsProblem<uint16_t>, rows_problem<uint16_t>)
 
@@ -538,5 +565,7 @@ SPECJAX_FLOAT_KIND(MatmulRowsBF16, RowsProblem<uint16_t>, rows_problem<uint16_t>
 SPECJAX_GROUP_HANDLER(SpecjaxQMatmulInt8, QMatmulInt8)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulF32, MatmulF32)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulBF16, MatmulBF16)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulBlocksF32, MatmulBlocksF32)
+SPECJAX_GROUP_HANDLER(SpecjaxMatmulBlocksBF16, MatmulBlocksBF16)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulRowsF32, MatmulRowsF32)
 SPECJAX_GROUP_HANDLER(SpecjaxMatmulRowsBF16, MatmulRowsBF16)

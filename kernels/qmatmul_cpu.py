@@ -52,6 +52,8 @@ TARGET = "specjax_qmatmul_int8"
 FLOAT_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_f32", jnp.dtype(jnp.bfloat16): "specjax_matmul_bf16"}
 ROWS_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_rows_f32",
                 jnp.dtype(jnp.bfloat16): "specjax_matmul_rows_bf16"}
+BLOCKS_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_blocks_f32",
+                  jnp.dtype(jnp.bfloat16): "specjax_matmul_blocks_bf16"}
 SOURCE = Path(__file__).with_name("qmatmul_cpu.cc")
 
 
@@ -60,6 +62,15 @@ SOURCE = Path(__file__).with_name("qmatmul_cpu.cc")
 class Rows:
     """A float stack `[L, N, K]` held one row of K weights per output (`matmul_rows`), as one
     weight of a kernel call."""
+
+    stack: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stack"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A float stack packed in column blocks `[L, N/16, K, 16]` (`pack`; `matmul_blocks`), as
+    one weight of a kernel call."""
 
     stack: jax.Array
 
@@ -75,9 +86,12 @@ def packable(shape: tuple[int, ...]) -> bool:
 
 
 def pack(values: jax.Array) -> jax.Array:
-    """int kernel `[L, K, N]` -> int8 `[L, N/16, K, 16]` (column blocks, each row after row)."""
+    """kernel `[L, K, N]` -> `[L, N/16, K, 16]` (column blocks, each row after row): int values
+    as int8, floats in their dtype."""
     layers, k, n = values.shape
-    blocks = values.astype(jnp.int8).reshape(layers, k, n // BLOCK, BLOCK)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        values = values.astype(jnp.int8)
+    blocks = values.reshape(layers, k, n // BLOCK, BLOCK)
     return blocks.transpose(0, 2, 1, 3)
 
 
@@ -134,6 +148,18 @@ def matmul_rows_reference(x: jax.Array, stack: jax.Array, layer: jax.Array | int
     return jnp.matmul(x.astype(jnp.float32), kernel.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def blocks_kernel_fits(blocks) -> bool:
+    """Whether `matmul_blocks` multiplies by this packed stack: f32 / bf16 `[L, N/16, K, 16]`."""
+    return (getattr(blocks, "ndim", 0) == 4 and jnp.dtype(blocks.dtype) in BLOCKS_TARGETS
+            and blocks.shape[-1] == BLOCK and 0 not in blocks.shape)
+
+
+def matmul_blocks_reference(x: jax.Array, blocks: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x `[..., K]` @ unpack(blocks)[layer] (f32 products and sums) -> f32 `[..., N]`: jnp."""
+    one = jax.lax.dynamic_index_in_dim(blocks, layer, keepdims=True)
+    return matmul_reference(x, unpack(one), 0)
+
+
 def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]`, scale f32 `[L, G, N]`, layer int32 `[]`
     -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
@@ -180,11 +206,29 @@ def matmul_rows(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.A
     return _product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), (Rows(stack),))[0]
 
 
+def matmul_blocks(x: jax.Array, blocks: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x `[..., K]` (cast to f32), blocks f32 / bf16 `[L, N/16, K, 16]` (a float stack `pack`ed:
+    `blocks_kernel_fits`), layer int32 `[]` -> f32 `[..., N]` = x @ unpack(blocks)[layer] by
+    the CPU kernel (call `available()` first). Differentiable in x and the blocks."""
+    return matmul_blocks_group(x, [blocks], layer)[0]
+
+
+def matmul_blocks_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
+    """`matmul_blocks` of one x by each packed stack of `stacks` (one K, one dtype), in one call."""
+    for blocks in stacks:
+        if (not blocks_kernel_fits(blocks) or x.shape[-1] != blocks.shape[2]
+                or blocks.dtype != stacks[0].dtype):
+            raise ValueError(f"matmul_blocks: x {x.shape} and blocks {blocks.shape} {blocks.dtype} do "
+                             "not fit (f32 / bf16 [L, N/16, K, 16] stacks of one dtype)")
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+                         tuple(Blocks(b) for b in stacks)))
+
+
 def _widths(weights) -> list[int]:
-    """Each kernel's N: packed int8 (packed, scale) pairs, float stacks `[L, K, N]`, or Rows
-    `[L, N, K]`."""
+    """Each kernel's N: packed int8 (packed, scale) pairs, float stacks `[L, K, N]`, Rows
+    `[L, N, K]` or Blocks `[L, N/16, K, 16]`."""
     return [w[0].shape[1] * BLOCK if isinstance(w, tuple) else w.stack.shape[1] if isinstance(w, Rows)
-            else w.shape[-1] for w in weights]
+            else w.stack.shape[1] * BLOCK if isinstance(w, Blocks) else w.shape[-1] for w in weights]
 
 
 def _reference(x, layer, weights) -> tuple:
@@ -193,6 +237,8 @@ def _reference(x, layer, weights) -> tuple:
             return qmatmul_reference(x, *w, layer)
         if isinstance(w, Rows):
             return matmul_rows_reference(x, w.stack, layer)
+        if isinstance(w, Blocks):
+            return matmul_blocks_reference(x, w.stack, layer)
         return matmul_reference(x, w, layer)
     return tuple(one(w) for w in weights)
 
@@ -203,6 +249,8 @@ def _target(first) -> str:
         return TARGET
     if isinstance(first, Rows):
         return ROWS_TARGETS[jnp.dtype(first.stack.dtype)]
+    if isinstance(first, Blocks):
+        return BLOCKS_TARGETS[jnp.dtype(first.stack.dtype)]
     return FLOAT_TARGETS[jnp.dtype(first.dtype)]
 
 
@@ -240,10 +288,10 @@ def _product_bwd(residuals, grads):
     x, layer, weights = residuals
 
     def differentiable(w):
-        return w[1] if isinstance(w, tuple) else w.stack if isinstance(w, Rows) else w
+        return w[1] if isinstance(w, tuple) else w.stack if isinstance(w, (Rows, Blocks)) else w
 
     def rebuilt(w, f):
-        return (w[0], f) if isinstance(w, tuple) else Rows(f) if isinstance(w, Rows) else f
+        return (w[0], f) if isinstance(w, tuple) else type(w)(f) if isinstance(w, (Rows, Blocks)) else f
 
     def forward(a, floats):
         return _reference(a, layer, tuple(rebuilt(w, f) for w, f in zip(weights, floats)))
@@ -266,5 +314,7 @@ def available(folder: Path) -> str | None:
                                       FLOAT_TARGETS[jnp.dtype(jnp.float32)]: "SpecjaxMatmulF32",
                                       FLOAT_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulBF16",
                                       ROWS_TARGETS[jnp.dtype(jnp.float32)]: "SpecjaxMatmulRowsF32",
-                                      ROWS_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulRowsBF16"},
+                                      ROWS_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulRowsBF16",
+                                      BLOCKS_TARGETS[jnp.dtype(jnp.float32)]: "SpecjaxMatmulBlocksF32",
+                                      BLOCKS_TARGETS[jnp.dtype(jnp.bfloat16)]: "SpecjaxMatmulBlocksBF16"},
                               folder)

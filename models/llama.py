@@ -31,10 +31,13 @@ from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.paths import cache_dir
 from specjax.models.quant import (
     HEAD,
+    BlockedKernel,
     LayerKernel,
     PackedKernel,
+    blocked_matmul,
     float_head_product,
     grouped_product,
+    is_held,
     layer_kernel,
     packed_matmul,
 )
@@ -109,8 +112,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`nn.Dense`'s math and param names (`kernel [in, out]`, `bias [out]`); the kernel may be
     a weight-only quantized `qwix.QArray` (`models.quant`), multiplied by `qwix.dot_general`,
-    or a `quant.PackedKernel` / `quant.LayerKernel` (a stack read in place at the layer's
-    index), multiplied by the CPU kernels."""
+    or a `quant.PackedKernel` / `quant.BlockedKernel` / `quant.LayerKernel` (a stack read in
+    place at the layer's index), multiplied by the CPU kernels."""
 
     features: int
     use_bias: bool = False
@@ -119,13 +122,15 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):  # [..., in] -> [..., out]
         kernel = self.get_variable("params", "kernel")
-        if not isinstance(kernel, (PackedKernel, LayerKernel)):  # (flax's shape check reads a pytree's first leaf)
+        if not isinstance(kernel, (PackedKernel, BlockedKernel, LayerKernel)):  # (flax's shape check reads a pytree's first leaf)
             kernel = self.param("kernel", nn.initializers.normal(0.02),
                                 (x.shape[-1], self.features), self.dtype)
         x = jnp.asarray(x, self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if isinstance(kernel, PackedKernel):
             y = packed_matmul(x, kernel).astype(self.dtype)
+        elif isinstance(kernel, BlockedKernel):
+            y = blocked_matmul(x, kernel).astype(self.dtype)
         elif isinstance(kernel, LayerKernel):
             y = qmatmul_cpu.matmul(x, kernel.stack, kernel.layer).astype(self.dtype)
         elif isinstance(kernel, qwix.QArray):
@@ -300,7 +305,8 @@ def cpu_attention_reason(cfg: ModelConfig) -> str | None:
 
 def layer_params(layers: Params, index: jax.Array) -> Params:
     """Layer `index` (int32 `[]`) of the stacked layer params: each array's slice; each
-    `PackedKernel` the whole stack with its `layer` set, and each float kernel the CPU kernel
+    `PackedKernel` / `BlockedKernel` the whole stack with its `layer` set, and each float kernel
+    as stored that the CPU kernel
     multiplies a `LayerKernel` of the whole stack (`quant.layer_kernel`): those kernels read
     the stack in place, where XLA would copy each layer's slice out before its dot."""
 
@@ -308,14 +314,14 @@ def layer_params(layers: Params, index: jax.Array) -> Params:
         return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
 
     def one(leaf):
-        if isinstance(leaf, PackedKernel):
+        if isinstance(leaf, (PackedKernel, BlockedKernel)):
             return dataclasses.replace(leaf, layer=index)
         if isinstance(leaf, qwix.QArray):  # its values and scales sliced alike
             return jax.tree.map(sliced, leaf)
         in_place = layer_kernel(leaf, index)
         return sliced(leaf) if in_place is None else in_place
 
-    return jax.tree.map(one, layers, is_leaf=lambda x: isinstance(x, (PackedKernel, qwix.QArray)))
+    return jax.tree.map(one, layers, is_leaf=is_held)
 
 
 def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cache, v_cache,

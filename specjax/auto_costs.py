@@ -37,7 +37,13 @@ from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, attention_impl
 from specjax.models.paths import cache_dir
-from specjax.models.quant import PackedKernel, float_kernel_reason, is_quantized, quantization_of
+from specjax.models.quant import (
+    BlockedKernel,
+    PackedKernel,
+    float_kernel_reason,
+    is_held,
+    quantization_of,
+)
 from specjax.sampling import SamplingParams
 from specjax.target import as_target
 from specjax.xla_options import current_options, program
@@ -71,10 +77,13 @@ def costs_folder() -> Path:
 def weights_of(params) -> str:
     """How the weights are held, as far as a step's cost goes: "float", or the quantization mode,
     with "/cpu-kernel" where the CPU kernels multiply them (`quant.PackedKernel`; float kernels
-    where `quant.float_kernel_reason` is None)."""
+    where `quant.float_kernel_reason` is None), "/cpu-blocks" for float kernels in the CPU
+    kernel's layout (`quant.BlockedKernel`)."""
     mode = quantization_of(params)
-    packed = any(isinstance(leaf, PackedKernel)
-                 for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
+    leaves = jax.tree.leaves(params, is_leaf=is_held)
+    if mode is None and any(isinstance(leaf, BlockedKernel) for leaf in leaves):
+        return "float/cpu-blocks"
+    packed = any(isinstance(leaf, PackedKernel) for leaf in leaves)
     in_place = mode is None and float_kernel_reason() is None  # (params None: float)
     return (mode or "float") + ("/cpu-kernel" if packed or in_place else "")
 

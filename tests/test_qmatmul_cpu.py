@@ -19,7 +19,12 @@
   errors on bad input; the layer loop hands f32 / bf16 kernels to it (`quant.LayerKernel`),
   the model's output stays what XLA's path computes, and the decode program copies no
   weight slice; kernels of one input go in one call (`qmatmul_group` / `matmul_group`, the same
-  results as one call each, bit for bit; `quant.grouped_product` groups one kind and one layer).
+  results as one call each, bit for bit; `quant.grouped_product` groups one kind and one layer);
+- float stacks packed in column blocks (`matmul_blocks`, `quant.BlockedKernel`): the same sums
+  as the stack as stored, bit for bit; `pack_params` packs the float layer kernels only (params
+  `layers/.../kernel`), the model's logits are the unpacked params' bit for bit, the decode
+  program makes its 4 calls a layer on the blocks, quantizing packed params quantizes the
+  kernels as stored.
 """
 from __future__ import annotations
 
@@ -208,8 +213,8 @@ def test_auto_step_costs_are_kept_apart_by_how_the_weights_are_held(monkeypatch)
 
     f32 = init_params(tiny_config(), jax.random.PRNGKey(9))
     q = quant.quantize_params(f32, "int8")
-    assert [weights_of(p) for p in (f32, q, quant.pack_params(q))] == [
-        "float/cpu-kernel", "int8", "int8/cpu-kernel"]
+    assert [weights_of(p) for p in (f32, quant.pack_params(f32), q, quant.pack_params(q))] == [
+        "float/cpu-kernel", "float/cpu-blocks", "int8", "int8/cpu-kernel"]
     monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")
     assert weights_of(f32) == "float"
 
@@ -219,22 +224,27 @@ def test_auto_step_costs_are_kept_apart_by_how_the_weights_are_held(monkeypatch)
        m=st.integers(0, 14), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
 def test_float_kernel_equals_reference(layers, k, nblocks, m, dtype, seed):
     stack = jax.random.normal(jax.random.PRNGKey(seed), (layers, k, 16 * nblocks), dtype)
+    blocks = qmatmul_cpu.pack(stack)
+    assert blocks.dtype == stack.dtype
     x = rows(seed, (m, k))
     for layer in range(layers):
         got = jax.jit(qmatmul_cpu.matmul)(x, stack, layer)
         want = qmatmul_cpu.matmul_reference(x, stack, layer)
         assert got.shape == (m, 16 * nblocks) and got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want), initial=1)))
+        np.testing.assert_array_equal(jax.jit(qmatmul_cpu.matmul_blocks)(x, blocks, layer), got)
+        np.testing.assert_array_equal(qmatmul_cpu.matmul_blocks_reference(x, blocks, layer), want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel, shape", [
     (qmatmul_cpu.matmul, (2, 96, 80)),  # [L, K, N]; 20 rows: 4 row tiles, the restriped path
     (qmatmul_cpu.matmul_rows, (2, 101, 64)),  # [L, N, K]; N = 101: a short last unit
+    (qmatmul_cpu.matmul_blocks, (2, 5, 96, 16)),  # [L, N/16, K, 16]
 ])
 def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype, kernel, shape):
     stack = jax.random.normal(jax.random.PRNGKey(2), shape, dtype)
-    k = shape[1] if kernel is qmatmul_cpu.matmul else shape[2]
+    k = shape[2] if kernel is qmatmul_cpu.matmul_rows else shape[1] if len(shape) == 3 else shape[2]
     x = rows(2, (20, k))
     together = jax.jit(kernel)(x, stack, 1)
     for lo, hi in ((0, 1), (0, 2), (0, 3), (2, 6), (0, 7), (5, 6), (12, 20)):  # (2, 6): one tile
@@ -244,6 +254,7 @@ def test_a_rows_float_result_does_not_depend_on_the_other_rows(dtype, kernel, sh
 @pytest.mark.parametrize("kernel, reference, shape", [
     (qmatmul_cpu.matmul, qmatmul_cpu.matmul_reference, (2, 32, 48)),  # [L, K, N]
     (qmatmul_cpu.matmul_rows, qmatmul_cpu.matmul_rows_reference, (2, 40, 32)),  # [L, N, K]
+    (qmatmul_cpu.matmul_blocks, qmatmul_cpu.matmul_blocks_reference, (2, 3, 32, 16)),  # blocks
 ])
 def test_the_float_kernels_compose_with_vmap_and_grad(kernel, reference, shape):
     stack = jax.random.normal(jax.random.PRNGKey(3), shape, jnp.float32)
@@ -274,6 +285,13 @@ def test_bad_float_input_is_an_error():
         qmatmul_cpu.matmul(rows(4, (1, 32)), jnp.ones((2, 32, 24)), 0)
     with pytest.raises(ValueError, match="do not fit"):
         qmatmul_cpu.matmul(rows(4, (1, 32)), jnp.ones((2, 32, 16), jnp.int32), 0)
+    blocks = qmatmul_cpu.pack(stack)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
+        jax.jit(qmatmul_cpu.matmul_blocks)(rows(4, (1, 32)), blocks, 2).block_until_ready()
+    with pytest.raises(ValueError, match="do not fit"):  # K = 32, x has 48
+        qmatmul_cpu.matmul_blocks(rows(4, (1, 48)), blocks, 0)
+    with pytest.raises(ValueError, match="do not fit"):  # the stack as stored, not packed
+        qmatmul_cpu.matmul_blocks(rows(4, (1, 32)), stack, 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -401,3 +419,37 @@ def test_grouped_product_takes_kernels_of_one_kind_and_layer_only():
     assert quant.grouped_product(x, [quant.LayerKernel(stack, index),
                                      quant.LayerKernel(stack, jnp.int32(1))]) is None  # two indices
     assert quant.grouped_product(x, [stack[0], stack[1]]) is None  # plain arrays: Linear's path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pack_params_packs_float_layer_kernels_and_the_logits_stay_bit_for_bit(dtype, monkeypatch):
+    cfg = tiny_config(dtype=dtype)
+    params = init_params(cfg, jax.random.PRNGKey(12))
+    packed = quant.pack_params(params)
+    other = {"params": {"extra": {"layers": {"kernel": jnp.ones((2, 32, 16), cfg.jnp_dtype)}}}}
+    assert quant.pack_params(other) is other  # a float [L, K, N] kernel not in the layer stack
+    held = jax.tree_util.tree_flatten_with_path(packed, is_leaf=quant.is_held)[0]
+    blocked = {jax.tree_util.keystr(path) for path, leaf in held if isinstance(leaf, quant.BlockedKernel)}
+    fitting = {jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        params["params"]["layers"])[0] if qmatmul_cpu.float_kernel_fits(leaf)}
+    assert blocked and blocked == {"['params']['layers']" + p for p in fitting}
+    jax.tree.map(np.testing.assert_array_equal, quant.unpack_params(packed), params)
+    tokens = jnp.asarray(np.random.default_rng(12).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+
+    def step():  # traced anew: the switch is read at each trace
+        return jax.jit(lambda p: forward(cfg, p, tokens, positions, init_cache(cfg, 2, 8)).logits)
+
+    np.testing.assert_array_equal(step()(packed), step()(params))  # the same sums, another layout
+    if dtype == "float32":
+        text = step().lower(packed).compile().as_text()
+        assert text.count('custom_call_target="specjax_matmul_blocks_f32"') == 4  # 4 calls a layer
+        assert text.count('custom_call_target="specjax_matmul_f32"') == 1  # the untied lm_head
+        q_packed, q_plain = (quant.quantize_params(p, "int8") for p in (packed, params))
+        jax.tree.map(np.testing.assert_array_equal, q_packed, q_plain)
+    monkeypatch.setenv(qmatmul_cpu.ENV_SWITCH, "0")  # packed params, kernels off: the reference
+    assert quant.pack_params(params) is params
+    assert "specjax_matmul" not in step().lower(packed).compile().as_text()
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    np.testing.assert_allclose(np.asarray(step()(packed), np.float32), np.asarray(step()(params), np.float32),
+                               rtol=tol, atol=tol)

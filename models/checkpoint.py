@@ -20,7 +20,7 @@ import qwix
 
 from specjax.models.config import ModelConfig
 from specjax.models.finite import CheckpointError, check_finite
-from specjax.models.quant import SPECS, is_quantized_kernel
+from specjax.models.quant import SPECS, is_quantized_kernel, unpack_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,9 @@ def assemble_params(cfg: ModelConfig, source: TensorSource,
 
 
 def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
-    """Inverse of `assemble_params`: HF-named numpy tensors (HF layout) of a params tree."""
+    """Inverse of `assemble_params`: HF-named numpy tensors (HF layout) of a params tree (float
+    kernels in the CPU kernel's layout unpacked first)."""
+    params = unpack_params(params)
     out = {}
     for spec in param_specs(cfg):
         leaf = np.asarray(_get(params["params"], spec.path))

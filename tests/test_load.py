@@ -32,6 +32,7 @@ from specjax.models.load import (
     permute_qk,
     unpermute_qk,
 )
+from specjax.models.quant import unpack_params
 from specjax.models.tokenizer import Tokenizer
 
 SHAPE_FIELDS = (
@@ -79,6 +80,7 @@ def logits_of(cfg: ModelConfig, params) -> np.ndarray:
 
 
 def assert_same_params(got, want) -> None:
+    got = unpack_params(got)  # a loaded model's float layer kernels are in the CPU kernel's layout
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert a.shape == b.shape and a.dtype == b.dtype

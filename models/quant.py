@@ -253,12 +253,14 @@ def pack_params(params: Params) -> Params:
     accepts a BlockedKernel, when the CPU kernels are available and `$SPECJAX_CPU_KERNELS` (read
     at each call) does not switch them off (else unchanged)."""
     found = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_held)[0]
-    if (qmatmul_cpu.switched_off() or not any(packs(leaf) or blocks(_keys(path), leaf) for path, leaf in found)
+    floats = cpu_ffi.one_cpu_reason() is None  # the float kernel runs on one device only
+    if (qmatmul_cpu.switched_off()
+            or not any(packs(leaf) or (floats and blocks(_keys(path), leaf)) for path, leaf in found)
             or cpu_kernel_reason() is not None):
         return params
 
     def convert(path, leaf):
-        if blocks(_keys(path), leaf):
+        if floats and blocks(_keys(path), leaf):
             return BlockedKernel(_pack_jit(leaf))
         if not packs(leaf):
             return leaf

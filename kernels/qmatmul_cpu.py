@@ -188,12 +188,16 @@ def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
 
 def matmul_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
     """`matmul` of one x by each stack of `stacks` (one K, one dtype), in one call."""
-    for stack in stacks:
-        if (not float_kernel_fits(stack) or x.shape[-1] != stack.shape[1]
-                or stack.dtype != stacks[0].dtype):
-            raise ValueError(f"matmul: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
-                             "(f32 / bf16 [L, K, N] stacks of one dtype, N a multiple of 16)")
+    _check_float_group("matmul", x, stacks, float_kernel_fits, 1, "[L, K, N] stacks, N a multiple of 16")
     return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), tuple(stacks)))
+
+
+def _check_float_group(name: str, x: jax.Array, stacks, fits, k_axis: int, layout: str) -> None:
+    """ValueError unless every stack `fits`, has x's K on `k_axis` and the first one's dtype."""
+    for stack in stacks:
+        if not fits(stack) or x.shape[-1] != stack.shape[k_axis] or stack.dtype != stacks[0].dtype:
+            raise ValueError(f"{name}: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
+                             f"(f32 / bf16 {layout} of one dtype)")
 
 
 def matmul_rows(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
@@ -215,11 +219,7 @@ def matmul_blocks(x: jax.Array, blocks: jax.Array, layer: jax.Array | int) -> ja
 
 def matmul_blocks_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
     """`matmul_blocks` of one x by each packed stack of `stacks` (one K, one dtype), in one call."""
-    for blocks in stacks:
-        if (not blocks_kernel_fits(blocks) or x.shape[-1] != blocks.shape[2]
-                or blocks.dtype != stacks[0].dtype):
-            raise ValueError(f"matmul_blocks: x {x.shape} and blocks {blocks.shape} {blocks.dtype} do "
-                             "not fit (f32 / bf16 [L, N/16, K, 16] stacks of one dtype)")
+    _check_float_group("matmul_blocks", x, stacks, blocks_kernel_fits, 2, "[L, N/16, K, 16] stacks")
     return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
                          tuple(Blocks(b) for b in stacks)))
 

@@ -9,8 +9,9 @@ Prints one JSON line: {"model", "draft", "batch_size", "lengths", "steps", "repe
 (call_ms: a profile call's cost besides its steps, which the step costs leave out; auto
 profiles at each of `auto_costs.CONTEXTS`; `--contexts 64 512 1024` also checks how well the
 line through the first two predicts a third; `--contexts 1024 1024 --cached 1024 64` whether
-a width's cost depends on how much of it is filled). Run it with SPECJAX_COMPILE_CACHE=0 to
-time a first run.
+a width's cost depends on how much of it is filled; `--prefill-context` runs the target over
+every cached token instead of standing a lookup drafter's context in, the profile before
+2026-12-06). Run it with SPECJAX_COMPILE_CACHE=0 to time a first run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def main() -> None:
                    help="tokens cached in each context's program, one per context (default: "
                         "auto's, `auto_costs.cached_tokens`: at most 64 where the attention reads "
                         "the whole buffer)")
+    p.add_argument("--prefill-context", action="store_true",
+                   help="run the target over every cached token (`auto_costs.started_state` with "
+                        "fill=False; by default a lookup drafter's context past 64 tokens is stood in)")
     args = p.parse_args()
     model = load_model(args.model, dtype="float32")
     inner, inner_params = make_drafter(args.draft, tree=chain(8), target=model, auto=True)
@@ -55,7 +59,8 @@ def main() -> None:
         step_s = auto_costs.profile_step_costs(model.cfg, model.params, drafter, inner_params,
                                                args.batch_size, context=tokens, steps=args.steps,
                                                repeats=args.repeats, budget_s=args.budget_s,
-                                               phases=phases, width=width)
+                                               phases=phases, width=width,
+                                               fill=False if args.prefill_context else None)
         rows.append({"context": context, "cached": tokens, "width": width,
                      "total_s": round(time.perf_counter() - start, 1),
                      "first_call_s": round(phases.get("first_call_s", 0.0), 1),
@@ -64,6 +69,7 @@ def main() -> None:
                      "call_ms": round(phases.get("call_s", 0.0) * 1e3, 2)})
     total = time.perf_counter() - begin
     print(json.dumps({"model": args.model, "draft": args.draft, "batch_size": args.batch_size,
+                      "prefill_context": args.prefill_context,
                       "lengths": list(drafter.lengths), "steps": args.steps, "repeats": args.repeats,
                       "total_s": round(total, 1), "contexts": rows}))
 

@@ -186,12 +186,57 @@ def profile_width(drafter: AutoDrafter, context: int, steps: int = STEPS) -> int
     return context + (steps + 2) * (drafter.tree.num_nodes + 1)
 
 
+def motif_tokens(target, batch_size: int, length: int) -> jax.Array:
+    """`[B, length]` int32: each row a random motif of 8 tokens repeated (drafters find matches)."""
+    motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
+    return jnp.tile(motif, (1, -(-length // 8)))[:, :length].astype(jnp.int32)
+
+
+def started_state(target, params, drafter: AutoDrafter, drafter_params: AutoParams,
+                  batch_size: int, context: int, width: int, sampling, criteria,
+                  fill: bool | None = None):
+    """`spec_start`'s (state, drafter state, metrics) of `batch_size` rows with `context` motif
+    tokens cached in a `width`-token program, the root (the next step's first token) after them.
+
+    fill (default: the drafter's `state_from_tokens`): prefill at most `CONTEXT` tokens, then
+    stand the rest in (`filled`) instead of running the target over them: a step's cost does
+    not depend on the values cached, and prefilling 1024 tokens a row was most of a wide
+    profile (B = 8: ~38 of its 58 s). A drafter whose state needs the target's outputs over
+    the context (a draft model's or a learned head's own cache) is prefilled whole."""
+    if fill is None:
+        fill = getattr(drafter, "inner", drafter).state_from_tokens
+    prefilled = min(context, CONTEXT) if fill else context
+    tokens = motif_tokens(target, batch_size, context + 1)
+    started = spec_start_program(
+        target, params, drafter, drafter_params, tokens[:, :prefilled],
+        jnp.full((batch_size,), prefilled, jnp.int32), jnp.full((batch_size,), width, jnp.int32),
+        as_target(target).init_cache(batch_size, width), jax.random.PRNGKey(3), sampling, criteria,
+        drafter.init_carry(drafter_params), width=width)
+    if prefilled == context:
+        return started
+    state, drafter_state, metrics = started
+    return filled(state, tokens), drafter_state, metrics
+
+
+def filled(state, tokens: jax.Array):
+    """A `DecodeState` just after a prefill, grown to the context `tokens` `[B, C + 1]` (its
+    prompt a head of them): the token buffer holds them (the last one the root), every row's
+    prompt is the first C, and the cache's lengths advance to C over entries left as they are
+    (a step reads them at the cost real entries would have)."""
+    context = tokens.shape[1] - 1
+    return state.replace(tokens=state.tokens.at[:, :context + 1].set(tokens),
+                         num_tokens=jnp.full_like(state.num_tokens, context + 1),
+                         prompt_lens=jnp.full_like(state.prompt_lens, context),
+                         cache=state.cache.advance(context - state.cache.lengths))
+
+
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
                        context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
                        budget_s: float = BUDGET_S, phases: dict | None = None,
-                       width: int | None = None) -> list[float]:
+                       width: int | None = None, fill: bool | None = None) -> list[float]:
     """`[S]` seconds of one step of each branch of `drafter` at `batch_size` rows with
-    `context` tokens cached (rows repeating a short motif, so drafters find matches), in a
+    `context` tokens cached (rows repeating a short motif, so drafters find matches;
+    `started_state`: `fill` stands the context in, default where the drafter allows), in a
     program whose cache holds `width` tokens (default `profile_width` of the context; at least
     that).
 
@@ -215,15 +260,10 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     if steps < 2:
         raise ValueError(f"the profile needs calls of 1 and of steps >= 2 steps, got steps={steps}")
     width = max(width or 0, profile_width(drafter, context, steps))
-    motif = jax.random.randint(jax.random.PRNGKey(2), (batch_size, 8), 2, as_target(target).vocab_size)
-    prompt = jnp.tile(motif, (1, -(-context // 8)))[:, :context].astype(jnp.int32)
     sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
     params_ = AutoParams(inner=inner_params, step_s=jnp.ones((drafter.num_shapes,), jnp.float32))
-    start = lambda: spec_start_program(
-        target, params, drafter, params_, prompt, jnp.full((batch_size,), context, jnp.int32),
-        jnp.full((batch_size,), width, jnp.int32), as_target(target).init_cache(batch_size, width),
-        jax.random.PRNGKey(3), sampling, criteria, drafter.init_carry(params_), width=width)
-    started = jax.block_until_ready(start())
+    started = jax.block_until_ready(started_state(target, params, drafter, params_, batch_size,
+                                                  context, width, sampling, criteria, fill))
     looped = drafter.loop_params(params_)  # as the decoding programs' loops read them
     run = lambda b, n: jax.block_until_ready(_forced_steps(
         target, params, drafter, looped, started, jnp.int32(b), sampling, criteria, jnp.int32(n)))

@@ -35,9 +35,11 @@ from specjax.drafters.forced import ForcedDrafter
 from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
+from specjax.loop import StopCriteria
 from specjax.metrics import job_summary
 from specjax.models.llama import cpu_attention_reason, init_params
 from specjax.options import draft_choice
+from specjax.sampling import SamplingParams
 from specjax.tree import chain, k_ary
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3, 1], [5, 5, 5, 5],
@@ -540,6 +542,44 @@ def test_the_wide_profile_caches_few_tokens_where_attention_reads_the_whole_buff
         assert auto_costs.cached_tokens(dataclasses.replace(cfg, attention_impl="auto"), wide) == wide
         assert auto_costs.cached_tokens(xla, wide, AutoDrafter.wrap(
             DraftModelDrafter(tree=chain(1), cfg=dataclasses.replace(cfg, attention_impl="cpu")), (0, 1))) == wide
+
+
+def test_a_lookup_drafters_profile_stands_its_context_in_without_a_prefill_of_it(monkeypatch):
+    """n-gram and suffix hold nothing the target computes: the profile prefills CONTEXT tokens
+    and stands the rest of a wider context in (the same tokens, lengths and prompt as a
+    prefill of all of them; the forced steps run on from it). A draft model is prefilled
+    whole: its own cache needs the target's pass over the context."""
+    cfg, params = model()
+    context, width = auto_costs.CONTEXT + 20, auto_costs.CONTEXT + 40
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    prompts = []
+    real_start = auto_costs.spec_start_program
+    monkeypatch.setattr(auto_costs, "spec_start_program", lambda *args, **kw: (
+        prompts.append(args[4].shape[1]), real_start(*args, **kw))[1])
+
+    def started(drafter, fill=None, inner=None):
+        costs = AutoParams(inner=inner, step_s=jnp.ones(drafter.num_shapes))
+        return auto_costs.started_state(cfg, params, drafter, costs, 2, context, width, sampling,
+                                        criteria, fill)
+
+    ngram = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 2))
+    (stood, _, _), (prefilled, _, _) = started(ngram), started(ngram, fill=False)
+    assert prompts == [auto_costs.CONTEXT, context]
+    motif = auto_costs.motif_tokens(cfg, 2, context + 1)
+    np.testing.assert_array_equal(stood.tokens[:, :context + 1], motif)
+    np.testing.assert_array_equal(prefilled.tokens[:, :context], motif[:, :context])
+    for state in (stood, prefilled):
+        assert state.num_tokens.tolist() == [context + 1] * 2 and state.prompt_lens.tolist() == [context] * 2
+        assert state.cache.lengths.tolist() == [context] * 2
+    state, _, metrics = auto_costs._forced_steps(cfg, params, ngram, AutoParams(None, jnp.ones(2)),
+                                                 started(ngram), jnp.int32(1), sampling, criteria,
+                                                 jnp.int32(2))
+    assert (state.num_tokens > context + 2).all() and (state.cache.lengths == state.num_tokens - 1).all()
+    assert not state.done.any()
+    prompts.clear()
+    started(AutoDrafter.wrap(DraftModelDrafter(tree=chain(1), cfg=cfg), (0, 1)), inner=params)
+    assert prompts == [context]
+    assert SuffixDrafter.state_from_tokens and not DraftModelDrafter.state_from_tokens
 
 
 def test_costs_from_a_latency_profile():

@@ -56,6 +56,10 @@ class Drafter:
     #: lookup next to a target step (n-gram, suffix). A drafter that runs a model to propose sets
     #: it False: its plain steps only `sync`, so they cost what a plain decoding step does
     observe_plain_steps: ClassVar[bool] = True
+    #: the state follows from the token buffer alone (its prefill reads no target output and it
+    #: keeps no cache of its own: n-gram, suffix), so auto's cost profile may stand a context in
+    #: by writing tokens instead of running the target over them (`auto_costs.started_state`)
+    state_from_tokens: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

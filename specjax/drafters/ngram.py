@@ -58,6 +58,7 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram needs 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
 
     shape_free_state = True
+    state_from_tokens = True
 
     @property
     def name(self) -> str:

@@ -266,6 +266,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"suffix needs ways >= 1, got {self.ways}")
 
     shape_free_state = True
+    state_from_tokens = True
 
     @property
     def name(self) -> str:

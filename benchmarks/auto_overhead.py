@@ -1,8 +1,8 @@
 """What auto's branch machinery costs a step: a static chain vs auto forced onto that chain.
 
-    python benchmarks/auto_overhead.py --batch 1 --num-draft 4 --repeats 5
+    python benchmarks/auto_overhead.py --batch 1 --num-draft 4 --repeats 5 [--draft ngram|suffix]
 
-SmolLM2-135M f32, n-gram, one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
+SmolLM2-135M f32, n-gram (or `--draft suffix`), one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
 pass by pass: `static` (`num_draft=D`) and `forced` (`AutoDrafter.wrap(ngram, (0, D))` with
 D priced far below a plain step, so every step picks D: the same steps inside auto's
 `lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import specjax
 from specjax.drafters.auto import AutoDrafter, AutoParams
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.suffix import SuffixDrafter
 from specjax.models.hub import load_model
 from specjax.timing import job_stats
 from specjax.tree import chain
@@ -36,14 +37,16 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--draft", choices=("ngram", "suffix"), default="ngram")
     args = ap.parse_args()
     model = load_model("smollm2-135m", dtype="float32")
     prompts = [[1 + (7 * i + j) % 500 for j in range(200)] for i in range(args.batch)]
     plain_only = args.num_draft == 0
-    forced = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, max(args.num_draft, 1)))
+    inner = {"ngram": NgramDrafter, "suffix": SuffixDrafter}[args.draft](tree=chain(1))
+    forced = AutoDrafter.wrap(inner, (0, max(args.num_draft, 1)))
     step_s = [1e-3, 1.0] if plain_only else [1.0, 1e-3]  # the forced shape: far the cheapest
     costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
-    modes = {"static": {} if plain_only else {"draft": "ngram", "num_draft": args.num_draft},
+    modes = {"static": {} if plain_only else {"draft": args.draft, "num_draft": args.num_draft},
              "forced": {"draft": (forced, costs)}}
     names = list(modes)
     ms: dict[str, list[float]] = {name: [] for name in names}
@@ -59,7 +62,7 @@ def main() -> None:
                 ms[name].append(1e3 * job_stats(out).decode_s / steps)
     med = {name: statistics.median(v) for name, v in ms.items()}
     print({name: [round(x, 2) for x in v] for name, v in ms.items()})
-    print(f"B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, forced auto "
+    print(f"{args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, forced auto "
           f"{med['forced']:.2f} ms/step, forced/static {med['forced'] / med['static']:.3f}; "
           f"same tokens: {tokens['static'] == tokens['forced']}")
 

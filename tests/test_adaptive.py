@@ -571,9 +571,8 @@ def test_a_lookup_drafters_profile_stands_its_context_in_without_a_prefill_of_it
     for state in (stood, prefilled):
         assert state.num_tokens.tolist() == [context + 1] * 2 and state.prompt_lens.tolist() == [context] * 2
         assert state.cache.lengths.tolist() == [context] * 2
-    state, _, metrics = auto_costs._forced_steps(cfg, params, ngram, AutoParams(None, jnp.ones(2)),
-                                                 started(ngram), jnp.int32(1), sampling, criteria,
-                                                 jnp.int32(2))
+    state, _, _ = auto_costs._forced_steps(cfg, params, ngram, AutoParams(None, jnp.ones(2)),
+                                           started(ngram), jnp.int32(1), sampling, criteria, jnp.int32(2))
     assert (state.num_tokens > context + 2).all() and (state.cache.lengths == state.num_tokens - 1).all()
     assert not state.done.any()
     prompts.clear()

@@ -7,8 +7,8 @@ branch (the plain step and each chain length) at this batch size, at two cache w
 the attention reads the whole buffer whatever is filled, the wide one with few tokens cached,
 `cached_tokens`). They are
 measured by running the branches themselves, forced, on a running batch
-(`profile_step_costs`: compilation excluded, branches timed in turns of a 1-step and a 4-step
-call, the fastest of each, a call's own cost left out), once per (device kind, model, dtype,
+(`profile_step_costs`: compilation excluded, the caches donated so a call copies none, each
+branch's median ratio to the plain step over rounds of calls), once per (device kind, model, dtype,
 batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
@@ -17,6 +17,7 @@ with a warning: never an error. `costs_from_profile` reads the same costs from a
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -26,6 +27,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +55,20 @@ from specjax.xla_options import current_options, program
 #: fastest of up to 5 turns of 4 steps, was the median of 3 turns of 2; 4: at two contexts, a
 #: call's own cost, from calls of 1 and 4 steps, left out; 5: the wide width with `CONTEXT`
 #: tokens cached where a step's cost follows the width alone, `cached_tokens`; on CPU the key
-#: names the kernels' sources, `cost_key`)
-VERSION = 5
+#: names the kernels' sources, `cost_key`; 6: the caches donated, each branch's median ratio to
+#: the plain step over rounds of calls, was each one's fastest call, `profile_step_costs`)
+VERSION = 6
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
 #: cache writes), and not alike for every branch (SmolLM2, B = 8 here: D=4 / D=0 2.0 at 64
 #: tokens, 1.7 at 1024), so a job is priced on the line through the two (`AutoParams.costs_at`;
 #: Spec-Bench rows run at up to ~1100 entries: mostly inside the line, not past it)
 CONTEXTS = (CONTEXT, 1024)
-STEPS = 4  # steps of the long timed call (the short one takes 1)
-REPEATS = 5  # turns at most (each branch's fastest call of each length counts)
-BUDGET_S = 10.0  # after two turns over the branches, no further turn once the timed calls took this
+STEPS = 4  # steps of each branch's timed call (the plain branch's short one takes 1)
+MIN_ROUNDS = 3  # rounds over the branches at least ...
+ROUNDS = 16  # ... and at most
+BUDGET_S = 10.0  # past MIN_ROUNDS, no further round once the timed calls took this
+DONATED_BYTES = 1 << 16  # a profile call's leaves of at least this are donated (`Donated`)
 
 
 def stderr_line(message: str) -> None:
@@ -141,14 +146,57 @@ def write_costs(path: Path, key: dict, step_s: list[list[float]], seconds: float
     os.replace(tmp, path)
 
 
-@functools.partial(program, static_argnames=("target", "drafter"))
-def _forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
-                  criteria, steps):
+def forced_steps(target, params, drafter: AutoDrafter, drafter_params, started, branch, sampling,
+                 criteria, steps):
     """`steps` `[]` steps of one branch `[]` from `spec_start`'s (state, drafter state,
     metrics), inside the branch's loop as a running job takes them."""
     state, drafter_state, metrics = started
     return drafter.switched_step(target, params, drafter_params, state, drafter_state, metrics,
                                  sampling, criteria, branch=branch, steps=steps)
+
+
+_forced_steps = program(forced_steps, static_argnames=("target", "drafter"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Donated:
+    """A pytree's layout split in two: its leaves of at least `DONATED_BYTES` (the caches,
+    `donated`, their flat indices) and the others. Static (hashable)."""
+
+    treedef: Any
+    donated: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tree, min_bytes: int | None = None) -> Donated:
+        leaves, treedef = jax.tree.flatten(tree)
+        min_bytes = DONATED_BYTES if min_bytes is None else min_bytes
+        return cls(treedef, tuple(i for i, leaf in enumerate(leaves) if leaf.nbytes >= min_bytes))
+
+    def parts(self, tree) -> tuple[tuple, tuple]:
+        """(the other leaves, the donated ones) of `tree`."""
+        leaves = self.treedef.flatten_up_to(tree)
+        donated = set(self.donated)
+        return (tuple(leaf for i, leaf in enumerate(leaves) if i not in donated),
+                tuple(leaves[i] for i in self.donated))
+
+    def joined(self, kept: tuple, donated: tuple):
+        """The tree of `parts`' two halves."""
+        kept_, donated_ = iter(kept), iter(donated)
+        picks = set(self.donated)
+        return self.treedef.unflatten([next(donated_) if i in picks else next(kept_)
+                                       for i in range(self.treedef.num_leaves)])
+
+
+@functools.partial(program, static_argnames=("target", "drafter", "layout"),
+                   donate_argnames=("buffers",))
+def _rewound_steps(target, params, drafter: AutoDrafter, drafter_params, kept, buffers,
+                   layout: Donated, branch, sampling, criteria, steps):
+    """`forced_steps` from the start (`layout.joined(kept, buffers)`) whose large leaves
+    `buffers` (the caches) are donated and returned, written in place: every call starts at
+    the same context (the counts and lengths are `kept`'s, the start's) and copies no cache."""
+    out = forced_steps(target, params, drafter, drafter_params, layout.joined(kept, buffers),
+                       branch, sampling, criteria, steps)
+    return layout.parts(out)[1]
 
 
 def attention_configs(target, drafter: AutoDrafter | None = None) -> list[ModelConfig]:
@@ -231,7 +279,7 @@ def filled(state, tokens: jax.Array):
 
 
 def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int, *,
-                       context: int = CONTEXT, steps: int = STEPS, repeats: int = REPEATS,
+                       context: int = CONTEXT, steps: int = STEPS, rounds: int = ROUNDS,
                        budget_s: float = BUDGET_S, phases: dict | None = None,
                        width: int | None = None, fill: bool | None = None) -> list[float]:
     """`[S]` seconds of one step of each branch of `drafter` at `batch_size` rows with
@@ -241,22 +289,22 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     that).
 
     One program serves every branch and step count (both are arguments): it compiles once, on
-    the first call. The branches are then timed in turns, each turn a call of 1 step and one
-    of `steps` steps per branch, `repeats` turns at most; past two turns, none starts once the
-    timed calls took `budget_s`. What a call costs besides its steps (the dispatch, fresh
-    buffers for the whole state out) is no cost of a job's steps, which run inside one
-    program call: at B = 8 and 1024 cached tokens it was ~65-95 ms a call against ~45 ms a
-    plain step, so t(4) / 4 priced every branch ~20 ms high and their ratios close to 1. It
-    is the same for every branch (the same state goes in and out), so it is taken once, the
-    median over the branches of the intercept of the line through each branch's two calls,
-    and a branch's step cost is (t(steps) - that) / steps (the slope of one branch's two
-    calls alone swung by 20 % between profiles; `benchmarks/auto_profile_time.py` prints
-    both). Fastest times, because other work on the machine only ever adds time and a cost
-    profiled during a burst of it would steer every later job (the file is kept): with the
-    median of 3 turns of 2 steps, a B = 8 profile on a shared CPU once priced D = 1 below the
-    plain step.
-    phases: when given, gets "first_call_s" (compile + one call), "timed_s" and "call_s" (a
-    call's cost besides its steps)."""
+    the first call. Every call starts from the same state, its caches donated and written in
+    place (`_rewound_steps`): a call that copied them out cost ~60 ms besides its steps at
+    B = 8 (a plain step ~45 ms), and taking that out again left the branches' ratios
+    scattering by +-10 % between profiles. The branches are timed in rounds, each a call of
+    `steps` steps of every branch (in turn, the order reversed every other round) and one of
+    1 step of the plain branch; at least `MIN_ROUNDS` rounds, at most `rounds`, none started
+    once the timed calls took `budget_s`. What is left of a call's own cost (the dispatch) is
+    the median over rounds of the intercept of the plain branch's two calls, taken off every
+    call. A branch's cost is its median over rounds of its ratio to the plain step of the same
+    round, times the plain step's median: what auto's pick reads is these ratios, and the
+    machine's load drifts between rounds, bursts within them (a burst in one call moves one
+    round's ratio, which the median leaves out; the fastest call of each branch, the profile
+    before, mixed calls from quiet and loaded spells).
+    phases: when given, gets "first_call_s" (compile + one call), "timed_s", "call_s" (a
+    call's cost besides its steps), "rounds" and "ratio_spread" (`[S]` each branch's
+    interquartile range of its per-round ratios to the plain step)."""
     if steps < 2:
         raise ValueError(f"the profile needs calls of 1 and of steps >= 2 steps, got steps={steps}")
     width = max(width or 0, profile_width(drafter, context, steps))
@@ -265,31 +313,41 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     started = jax.block_until_ready(started_state(target, params, drafter, params_, batch_size,
                                                   context, width, sampling, criteria, fill))
     looped = drafter.loop_params(params_)  # as the decoding programs' loops read them
-    run = lambda b, n: jax.block_until_ready(_forced_steps(
-        target, params, drafter, looped, started, jnp.int32(b), sampling, criteria, jnp.int32(n)))
-    first = time.perf_counter()
-    run(0, 1)  # compiles (one program for every branch and step count)
-    first = time.perf_counter() - first
-    times = {n: [[] for _ in range(drafter.num_shapes)] for n in (1, steps)}
+    layout = Donated.of(started)
+    kept, buffers = layout.parts(started)
+    buffers = [jax.tree.map(jnp.copy, buffers)]  # the start's own stay as they are
+
+    def run(branch: int, n: int) -> float:
+        begin = time.perf_counter()
+        buffers[0] = jax.block_until_ready(_rewound_steps(
+            target, params, drafter, looped, kept, buffers[0], layout, jnp.int32(branch),
+            sampling, criteria, jnp.int32(n)))
+        return time.perf_counter() - begin
+
+    first = run(0, 1)  # compiles (one program for every branch and step count)
+    long: list[list[float]] = []  # [round][S] seconds of a call of `steps` steps
+    short: list[float] = []  # [round] seconds of the plain branch's call of 1 step
     timed = 0.0
-    for turn in range(repeats):
-        if turn >= 2 and timed >= budget_s:
+    for r in range(max(rounds, MIN_ROUNDS)):
+        if r >= MIN_ROUNDS and timed >= budget_s:
             break
-        for b in range(drafter.num_shapes):
-            for n in (1, steps):
-                begin = time.perf_counter()
-                run(b, n)
-                elapsed = time.perf_counter() - begin
-                timed += elapsed
-                times[n][b].append(elapsed)
-    short, long = ([min(t) for t in times[n]] for n in (1, steps))
-    # what a call costs besides its steps: from each branch, t(1) - (t(steps) - t(1)) /
-    # (steps - 1); the same for every branch (the same state in and out), so their median
-    call_s = float(np.median([max(0.0, (steps * t_short - t_long) / (steps - 1))
-                              for t_short, t_long in zip(short, long)]))
-    step_s = [max(t_long - call_s, 0.05 * t_long) / steps for t_long in long]
+        order = range(drafter.num_shapes) if r % 2 == 0 else reversed(range(drafter.num_shapes))
+        at = [0.0] * drafter.num_shapes
+        for b in order:
+            at[b] = run(b, steps)
+        short.append(run(0, 1))
+        long.append(at)
+        timed += sum(at) + short[-1]
+    times = np.asarray(long)  # [R, S]
+    call_s = max(0.0, float(np.median((steps * np.asarray(short) - times[:, 0]) / (steps - 1))))
+    per_step = np.maximum(times - call_s, 0.05 * times) / steps
+    ratios = per_step / per_step[:, :1]  # [R, S]
+    plain_s = float(np.median(per_step[:, 0]))
+    step_s = [plain_s * float(r) for r in np.median(ratios, axis=0)]
     if phases is not None:
-        phases.update(first_call_s=first, timed_s=timed, call_s=call_s)
+        q75, q25 = np.percentile(ratios, [75, 25], axis=0)
+        phases.update(first_call_s=first, timed_s=timed, call_s=call_s, rounds=len(long),
+                      ratio_spread=[float(x) for x in q75 - q25])
     chains = len(drafter.lengths)
     return monotone(step_s[:chains]) + step_s[chains:]
 

@@ -746,45 +746,75 @@ def test_the_profile_times_tree_branches_too():
     cfg, params = model()
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 3), trees=(load_tree("kary_2x2x2"),))
     phases = {}
-    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=2, repeats=1, phases=phases)
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=2, rounds=1, phases=phases)
     assert len(step_s) == 3 and all(s > 0 for s in step_s) and phases["first_call_s"] > 0
     key = auto_costs.cost_key(cfg, drafter, 2)
     assert key["trees"][0][0] == "kary_2x2x2"
 
 
-def test_the_profile_counts_each_branchs_fastest_turn(monkeypatch):
-    """What a call costs besides its steps is left out (from each branch's fastest calls of 1
-    and 4 steps, the median over branches), and a turn slowed by a burst of other work is
-    ignored, as is the median (the clock is scripted: a call of n steps of branch b takes the
-    next of b's (overhead, per-step) pairs, overhead + n x per-step)."""
+def test_the_profile_takes_each_branchs_median_ratio_to_the_plain_step(monkeypatch):
+    """Each round times every branch's call of 4 steps (the order reversed every other round)
+    and the plain branch's call of 1; what a call costs besides its steps (the median of the
+    plain branch's intercepts) is left out; a branch's cost is its median per-round ratio to
+    the plain step times the plain step's median: a round slowed as a whole (the machine's
+    load drifting) and a burst in one call are both left out (the clock is scripted: a call
+    of n steps of branch b in round r takes load[r] x (0.5 + n x cost[b]) + burst)."""
     cfg, params = model()
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1))
-    # per turn: the call of 1 step, then the one of 4; branch 0 costs 1.0 a step, branch 1
-    # 1.5, each call 5 more; turn 2 of branch 0 is loaded (x3), turn 3 of branch 1's long one
-    calls = {0: [(5, 1.0)] * 2 + [(15, 3.0)] * 2 + [(5, 1.0)] * 2,
-             1: [(5, 1.5)] * 2 + [(5, 1.5)] * 2 + [(5, 1.5), (8, 9.0)]}
-    clock = [0.0]
-    compiled = []
+    cost, load, burst = {0: 1.0, 1: 1.5}, [1.0, 2.0, 1.0], {(2, 1): 9.0}
+    clock, calls = [0.0], []
 
-    def forced(*args):
-        branch, steps = int(args[5]), int(args[-1])
-        if not compiled:  # the first call compiles
-            compiled.append(steps)
+    def rewound(*args):
+        branch, steps = int(args[7]), int(args[10])
+        if not calls:  # the first call compiles
             clock[0] += 99.0
-            return
-        overhead, per_step = calls[branch].pop(0)
-        clock[0] += overhead + steps * per_step
+        else:
+            r = sum(1 for _, n in calls[1:] if n == 1)
+            clock[0] += load[r] * (0.5 + steps * cost[branch]) + burst.get((r, branch), 0.0)
+        calls.append((branch, steps))
+        return args[5]
 
-    monkeypatch.setattr(auto_costs, "_forced_steps", forced)
+    monkeypatch.setattr(auto_costs, "_rewound_steps", rewound)
     monkeypatch.setattr(auto_costs, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     phases = {}
-    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, repeats=3,
+    step_s = auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, rounds=3,
                                            budget_s=1e9, phases=phases)
     assert step_s == pytest.approx([1.0, 1.5]) and phases["first_call_s"] == 99.0
-    assert phases["call_s"] == pytest.approx(5.0)
-    assert calls == {0: [], 1: []}
+    assert phases["call_s"] == pytest.approx(0.5) and phases["rounds"] == 3
+    assert calls[1:] == [(0, 4), (1, 4), (0, 1), (1, 4), (0, 4), (0, 1), (0, 4), (1, 4), (0, 1)]
+    calls.clear()
+    auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, rounds=9, budget_s=0.0,
+                                  phases=phases)
+    assert phases["rounds"] == auto_costs.MIN_ROUNDS
     with pytest.raises(ValueError, match="steps >= 2"):
         auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=1)
+
+
+def test_profile_calls_start_from_the_same_state_and_write_the_caches_in_place():
+    """`_rewound_steps` runs the forced steps from the start whose large leaves (the caches)
+    it takes donated and returns: every call gives what the first did (the counts and lengths
+    are the start's each time), and the buffers passed in are consumed, not copied."""
+    cfg, params = model()
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 2))
+    costs = AutoParams(None, jnp.ones(2))
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    started = auto_costs.started_state(cfg, params, drafter, costs, 2, 16, 64, sampling, criteria)
+    layout = auto_costs.Donated.of(started, min_bytes=1024)
+    kept, buffers = layout.parts(started)
+    cache = started[0].cache
+    assert [b.shape for b in buffers] == [cache.k.shape, cache.v.shape]
+    assert jax.tree.structure(layout.joined(kept, buffers)) == jax.tree.structure(started)
+    expected = layout.parts(auto_costs._forced_steps(cfg, params, drafter, costs, started,
+                                                     jnp.int32(2), sampling, criteria, jnp.int32(3)))[1]
+    passed = jax.tree.map(jnp.copy, buffers)
+    for _ in range(2):
+        out = auto_costs._rewound_steps(cfg, params, drafter, costs, kept, passed, layout,
+                                        jnp.int32(2), sampling, criteria, jnp.int32(3))
+        assert all(b.is_deleted() for b in passed)
+        for got, want in zip(out, expected):
+            np.testing.assert_array_equal(got, want)
+        passed = out
+    assert not any(b.is_deleted() for b in buffers)
 
 
 def test_chain_costs_are_made_non_decreasing_in_the_draft_length():

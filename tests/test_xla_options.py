@@ -69,6 +69,7 @@ def test_a_program_behaves_as_its_jit():
 def test_the_decoding_and_profiling_programs_are_programs():
     programs = [loop.generate_program, loop.spec_generate_program, loop.ar_start_program,
                 loop.ar_finish_program, loop.spec_start_program, loop.spec_finish_program,
-                refill.slots_program, refill.refill_program, auto_costs._forced_steps]
+                refill.slots_program, refill.refill_program, auto_costs._forced_steps,
+                auto_costs._rewound_steps]
     profilers = [value for value in vars(profile).values() if isinstance(value, Program)]
     assert all(isinstance(p, Program) for p in programs) and len(profilers) == 6

@@ -8,7 +8,8 @@ D priced far below a plain step, so every step picks D: the same steps inside au
 `lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
 seconds / steps, compile excluded; static batches, `refill=False`, so that the prefill is timed
 apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and
-checks that both emit the same tokens (docs/measure_and_tune.md quotes a run).
+checks that both emit the same tokens (docs/measure_and_tune.md quotes a run), and each
+mode's median prefill ms (the drafter's own prefill: suffix's table of the prompts).
 
 `--num-draft 0`: auto's plain branch against plain decoding. `static` is then plain decoding
 (no drafter) and `forced` auto over (0, 1) with the plain step priced far below D = 1, so every
@@ -50,6 +51,7 @@ def main() -> None:
              "forced": {"draft": (forced, costs)}}
     names = list(modes)
     ms: dict[str, list[float]] = {name: [] for name in names}
+    prefill_ms: dict[str, list[float]] = {name: [] for name in names}
     tokens = {}
     for rep in range(args.repeats + 1):  # pass 0 compiles
         for name in names[rep % 2:] + names[:rep % 2]:
@@ -59,9 +61,12 @@ def main() -> None:
             steps = max(len(r.token_ids) if plain_only else r.spec["steps"] for r in out)
             tokens.setdefault(name, [r.token_ids for r in out])
             if rep:
-                ms[name].append(1e3 * job_stats(out).decode_s / steps)
+                stats = job_stats(out)
+                ms[name].append(1e3 * stats.decode_s / steps)
+                prefill_ms[name].append(1e3 * stats.prefill_s)
     med = {name: statistics.median(v) for name, v in ms.items()}
     print({name: [round(x, 2) for x in v] for name, v in ms.items()})
+    print("prefill ms (median):", {name: round(statistics.median(v), 1) for name, v in prefill_ms.items()})
     print(f"{args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, forced auto "
           f"{med['forced']:.2f} ms/step, forced/static {med['forced'] / med['static']:.3f}; "
           f"same tokens: {tokens['static'] == tokens['forced']}")

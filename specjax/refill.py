@@ -261,6 +261,13 @@ def keeps_running(carry: RefillCarry, queue: PromptQueue, last: jax.Array) -> ja
     return (jnp.any(~done) | (left > 0)) & ~pause
 
 
+def draining(carry: RefillCarry, queue: PromptQueue, last: jax.Array) -> jax.Array:
+    """`[]` bool: no queued prompt will take the slot of a row that ends: the queue is empty
+    and the call is the job's last (a call that is not stops at a free slot, and the next
+    call's prompts fill it). Auto's pick reads it (`Drafter.draining`)."""
+    return last & (queue.size - carry.next_prompt <= 0)
+
+
 # ---- the loop ----------------------------------------------------------------------------------
 
 
@@ -306,10 +313,11 @@ class Decoder:
         )
 
     def decode_step(self, params, drafter_params, carry: RefillCarry, sampling: SamplingParams,
-                    criteria: StopCriteria) -> RefillCarry:
+                    criteria: StopCriteria, drains: jax.Array | bool = True) -> RefillCarry:
         """One decoding step over every slot (ended slots change nothing); auto may take
         several of its steps until its pick changes or a row ends (`drafters.auto`), counted
-        from the state's step counter and the rows' step counts."""
+        from the state's step counter and the rows' step counts. drains: `draining`, which
+        the drafter is told first."""
         slots, counters = carry.slots, carry.counters
         if self.drafter is None:
             state = ar_step(self.target, params, slots.state, sampling, criteria)
@@ -318,8 +326,8 @@ class Decoder:
                 busy_slot_steps=counters.busy_slot_steps + jnp.sum(~slots.state.done).astype(jnp.int32))
             return carry.replace(slots=slots.replace(state=state), counters=counters)
         state, drafter_state, metrics = spec_step(
-            self.target, params, self.drafter, drafter_params, slots.state, slots.drafter_state,
-            slots.metrics, sampling, criteria)
+            self.target, params, self.drafter, drafter_params, slots.state,
+            self.drafter.draining(slots.drafter_state, drains), slots.metrics, sampling, criteria)
         counters = counters.replace(
             decode_steps=counters.decode_steps + (state.step - slots.state.step).astype(jnp.int32),
             busy_slot_steps=counters.busy_slot_steps
@@ -351,7 +359,9 @@ class Decoder:
                                  lambda c: refill(batch, c), lambda c: c, carry)
 
         def body(c):
-            return self.decode_step(params, drafter_params, fill(c), sampling, criteria)
+            c = fill(c)
+            return self.decode_step(params, drafter_params, c, sampling, criteria,
+                                    draining(c, queue, last))
 
         carry = jax.lax.while_loop(lambda c: keeps_running(c, queue, last), body, carry)
         carry = harvest(carry)

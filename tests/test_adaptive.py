@@ -286,7 +286,7 @@ def test_a_draft_shape_must_beat_plain_decoding_by_min_gain():
     state = drafter.init(params, 2, 16)
     state = state.replace(conditional=jnp.full_like(state.conditional, 0.4))
     decode = types.SimpleNamespace(done=jnp.zeros(2, bool), tokens=jnp.zeros((2, 16), jnp.int32),
-                                   step=jnp.int32(0))
+                                   step=jnp.int32(0), max_new=jnp.full(2, 9), num_new=jnp.zeros(2, int))
     tokens_per_s = np.asarray(drafter.predicted(params, state, ~decode.done)[0])
     best = int(np.argmax(tokens_per_s))
     margin = tokens_per_s[best] / tokens_per_s[0] - 1.0
@@ -374,6 +374,34 @@ def test_the_pick_sums_each_rows_own_expected_tokens():
     assert int(jnp.argmax(drafter.predicted(params, averaged, active)[0])) == 0
     only_second = drafter.predicted(params, mixed, jnp.asarray([False, True]))[0]
     assert int(jnp.argmax(only_second)) == 0
+
+
+def test_a_draining_job_picks_the_soonest_end_of_its_slowest_row():
+    """While no queued prompt takes a freed slot (`AutoState.draining`: a static batch, a
+    refilling job's last call with its queue empty) the job ends with its slowest row: a row
+    that accepts everything does not pay for drafting when the other, as far from its end,
+    accepts nothing; it does when the other is a token from its end. With prompts queued the
+    pick sums the rows' tokens (`predicted`)."""
+    from specjax.refill import draining
+
+    drafter, params = auto("ngram", step_s=[1.0, 1.5, 1.75, 2.5])  # D = 0, 1, 2, 4
+    state = drafter.init(params, 2, 16)
+    assert bool(state.draining)  # a static batch drains from the start
+    mixed = state.replace(conditional=jnp.asarray([[1.0] * 4, [0.0] * 4]))
+    decode = lambda left: types.SimpleNamespace(
+        done=jnp.zeros(2, bool), tokens=jnp.zeros((2, 16), jnp.int32), step=jnp.int32(0),
+        max_new=jnp.asarray(left), num_new=jnp.zeros(2, jnp.int32))
+    assert int(drafter.pick(params, drafter.draining(mixed, False), decode([20, 20]))[0]) == 3
+    assert int(drafter.pick(params, mixed, decode([20, 20]))[0]) == 0
+    assert int(drafter.pick(params, mixed, decode([20, 1]))[0]) == 3
+    np.testing.assert_allclose(drafter.finish_rates(params, mixed, decode([20, 1])),
+                               [1 / 20, 2 / 20 / 1.5, 3 / 20 / 1.75, 5 / 20 / 2.5], rtol=1e-6)
+    ended = types.SimpleNamespace(**vars(decode([20, 20])) | {"done": jnp.asarray([False, True])})
+    assert int(drafter.pick(params, mixed, ended)[0]) == 3  # an ended row is nobody's bottleneck
+    queue = types.SimpleNamespace(size=jnp.int32(5))
+    at = lambda taken: types.SimpleNamespace(next_prompt=jnp.int32(taken))
+    assert [bool(draining(at(n), queue, last)) for n, last in [(3, True), (5, True), (5, False)]] == [
+        False, True, False]
 
 
 def test_rows_keep_their_own_estimate_and_a_refilled_row_starts_from_the_jobs():

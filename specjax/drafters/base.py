@@ -126,6 +126,13 @@ class Drafter:
     ) -> DrafterState:
         return state
 
+    def draining(self, state: DrafterState, draining: jax.Array) -> DrafterState:
+        """The state told, before a refilling loop's decoding step, whether the job is draining
+        (`[]` bool: no queued prompt will take the slot of a row that ends, so the job ends
+        with its slowest row; a static batch always is). Default: unchanged (only auto's pick
+        reads it, `drafters.auto`)."""
+        return state
+
     def sync(self, params, state: DrafterState, decode) -> DrafterState:
         """The state after a plain step the drafter proposed nothing for (auto's D = 0 branch
         when `observe_plain_steps` is False), before its `update`; decode: the state after the

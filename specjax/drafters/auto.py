@@ -30,6 +30,9 @@ Each step picks the branch with the highest predicted tokens/s (`specjax.costmod
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
 running estimate of that row's conditional acceptance per depth, over the branch's measured
 step cost at the program's cache width (`AutoParams.costs_at`, from `specjax.auto_costs`).
+While the job drains (`AutoState.draining`: a static batch, a refilling job's last call once
+its queue is empty) the pick is the soonest predicted end of the slowest running row instead
+(`finish_rates`): no prompt takes the slot of a row that ends early then.
 Greedy and sampled outputs stay exact: each branch is a lossless step, and the pick depends
 only on earlier steps.
 

@@ -862,5 +862,7 @@ def test_the_adaptive_benchmark_cell_times_every_mode_and_prices_decode_alone(fa
     assert set(c["tokens_per_s"]) == {"plain", "auto", "gate", "D=1", "D=2"}
     assert c["variant_shape_histograms"]["gate"] == {"0": sum(c["variant_shape_histograms"]["gate"].values())}
     assert c["auto_decode_tokens_per_s"] > 0 and c["auto_predicted_over_measured_decode"] > 0
+    assert c["auto_over_plain_paired"] == pytest.approx(c["runs"]["auto"][0] / c["runs"]["plain"][0])
+    assert adaptive.paired([3.0, 1.0, 2.0], [1.0, 1.0, 4.0]) == 1.0
     with pytest.raises(SystemExit, match="no field"):
         adaptive.parse_variants(["bad:no_such_field=1"])

@@ -243,10 +243,15 @@ def queued_rows(queue: PromptQueue, first: jax.Array, use: jax.Array):
             pick(queue.keys, jnp.zeros((), queue.keys.dtype)))
 
 
+def prompts_left(carry: RefillCarry, queue: PromptQueue) -> jax.Array:
+    """`[]` int32: the call's queued prompts not started yet."""
+    return queue.size - carry.next_prompt
+
+
 def wants_refill(carry: RefillCarry, queue: PromptQueue, policy: RefillPolicy) -> jax.Array:
     """`[]` bool: prompts are queued and at least min(min_free, prompts left) slots have ended
     (or none is running)."""
-    left = queue.size - carry.next_prompt
+    left = prompts_left(carry, queue)
     done = carry.slots.state.done
     ended = jnp.sum(done)
     return (left > 0) & ((ended >= jnp.minimum(policy.min_free, left)) | jnp.all(done))
@@ -256,7 +261,7 @@ def keeps_running(carry: RefillCarry, queue: PromptQueue, last: jax.Array) -> ja
     """`[]` bool: a row is running or a prompt is queued, unless the call is not the job's last
     (`last` False), its queue is empty and a slot is free: then the next call's prompts fill it."""
     done = carry.slots.state.done
-    left = queue.size - carry.next_prompt
+    left = prompts_left(carry, queue)
     pause = ~last & (left <= 0) & jnp.any(done)
     return (jnp.any(~done) | (left > 0)) & ~pause
 
@@ -265,7 +270,7 @@ def draining(carry: RefillCarry, queue: PromptQueue, last: jax.Array) -> jax.Arr
     """`[]` bool: no queued prompt will take the slot of a row that ends: the queue is empty
     and the call is the job's last (a call that is not stops at a free slot, and the next
     call's prompts fill it). Auto's pick reads it (`Drafter.draining`)."""
-    return last & (queue.size - carry.next_prompt <= 0)
+    return last & (prompts_left(carry, queue) <= 0)
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -287,7 +292,7 @@ class Decoder:
         carry = harvest(carry)
         drafter, slots = self.drafter, carry.slots
         width = slots.state.tokens.shape[1]
-        left = queue.size - carry.next_prompt
+        left = prompts_left(carry, queue)
         place = pick_slots(slots.state.done, left, rows)
         use = place < slots.state.done.shape[0]
         tokens, lengths, max_new, keys = queued_rows(queue, carry.next_prompt, use)

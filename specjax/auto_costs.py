@@ -12,7 +12,9 @@ branch's median ratio to the plain step over rounds of calls), once per (device 
 batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` (default
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
-with a warning: never an error. `costs_from_profile` reads the same costs from a
+with a warning: never an error. A profile whose branches' ratios scatter (a busy machine:
+`NOISY`) serves its job and is profiled again by the next `REPROFILES` runs, the steadiest
+kept. `costs_from_profile` reads the same costs from a
 `specjax profile` / `specjax tune` latency profile instead.
 """
 from __future__ import annotations
@@ -69,6 +71,10 @@ MIN_ROUNDS = 3  # rounds over the branches at least ...
 ROUNDS = 16  # ... and at most
 BUDGET_S = 10.0  # past MIN_ROUNDS, no further round once the timed calls took this
 DONATED_BYTES = 1 << 16  # a profile call's leaves of at least this are donated (`Donated`)
+#: a profile whose `ratio_noise` is above this (SmolLM2 on 2 CPU cores: 0.02-0.055 on a quiet
+#: machine, 0.066-0.15 with a test suite running beside it) ...
+NOISY = 0.065
+REPROFILES = 2  # ... is profiled again by up to this many later runs, the steadiest kept
 
 
 def stderr_line(message: str) -> None:
@@ -115,9 +121,23 @@ def cost_path(key: dict) -> Path:
     return costs_folder() / f"{digest}.json"
 
 
-def cached_costs(path: Path, key: dict) -> tuple[list[list[float]] | None, str | None]:
-    """(`[len(CONTEXTS)][S]` step seconds, None) from a good file; (None, why not) otherwise
-    (None: no file)."""
+@dataclasses.dataclass(frozen=True)
+class KeptCosts:
+    """A cost file's contents: `[len(CONTEXTS)][S]` step seconds, their `ratio_noise` (the
+    largest of the widths') and how many profiles were taken to keep them."""
+
+    step_s: list[list[float]]
+    noise: float = 0.0
+    profiles: int = 1
+
+    @property
+    def again(self) -> bool:
+        """Profile again: noisy, and not yet profiled 1 + REPROFILES times."""
+        return self.noise > NOISY and self.profiles <= REPROFILES
+
+
+def cached_costs(path: Path, key: dict) -> tuple[KeptCosts | None, str | None]:
+    """(KeptCosts, None) from a good file; (None, why not) otherwise (None: no file)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -134,14 +154,18 @@ def cached_costs(path: Path, key: dict) -> tuple[list[list[float]] | None, str |
             or not all(isinstance(at, list) and len(at) == shapes for at in step_s)
             or not all(isinstance(s, (int, float)) and s > 0 for at in step_s for s in at)):
         return None, "malformed step costs"
-    return [[float(s) for s in at] for at in step_s], None
+    noise, profiles = data.get("noise", 0.0), data.get("profiles", 1)
+    if not isinstance(noise, (int, float)) or not isinstance(profiles, int):
+        return None, "malformed step costs"
+    return KeptCosts([[float(s) for s in at] for at in step_s], float(noise), profiles), None
 
 
-def write_costs(path: Path, key: dict, step_s: list[list[float]], seconds: float) -> None:
+def write_costs(path: Path, key: dict, kept: KeptCosts, seconds: float) -> None:
     """Writes the file atomically (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "step_s": step_s, "profile_s": round(seconds, 2)}),
+    tmp.write_text(json.dumps({"key": key, "step_s": kept.step_s, "noise": round(kept.noise, 4),
+                               "profiles": kept.profiles, "profile_s": round(seconds, 2)}),
                    encoding="utf-8")
     os.replace(tmp, path)
 
@@ -303,8 +327,9 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     round's ratio, which the median leaves out; the fastest call of each branch, the profile
     before, mixed calls from quiet and loaded spells).
     phases: when given, gets "first_call_s" (compile + one call), "timed_s", "call_s" (a
-    call's cost besides its steps), "rounds" and "ratio_spread" (`[S]` each branch's
-    interquartile range of its per-round ratios to the plain step)."""
+    call's cost besides its steps), "rounds", "ratio_spread" (`[S]` each branch's
+    interquartile range of its per-round ratios to the plain step) and "noise"
+    (`ratio_noise`)."""
     if steps < 2:
         raise ValueError(f"the profile needs calls of 1 and of steps >= 2 steps, got steps={steps}")
     width = max(width or 0, profile_width(drafter, context, steps))
@@ -347,9 +372,17 @@ def profile_step_costs(target, params, drafter: AutoDrafter, inner_params, batch
     if phases is not None:
         q75, q25 = np.percentile(ratios, [75, 25], axis=0)
         phases.update(first_call_s=first, timed_s=timed, call_s=call_s, rounds=len(long),
-                      ratio_spread=[float(x) for x in q75 - q25])
+                      ratio_spread=[float(x) for x in q75 - q25], noise=ratio_noise(ratios))
     chains = len(drafter.lengths)
     return monotone(step_s[:chains]) + step_s[chains:]
+
+
+def ratio_noise(ratios: np.ndarray) -> float:
+    """The largest relative standard error of a branch's median ratio to the plain step, from
+    the rounds' ratios `[R, S]`: 0.93 x the interquartile range / sqrt(R) / the median (a
+    normal sample's, 1.2533 sigma / sqrt(R) with sigma = IQR / 1.349)."""
+    q75, median, q25 = np.percentile(ratios, [75, 50, 25], axis=0)
+    return float(np.max(0.93 * (q75 - q25) / np.sqrt(len(ratios)) / median))
 
 
 def monotone(costs: list[float]) -> list[float]:
@@ -370,32 +403,50 @@ def monotone(costs: list[float]) -> list[float]:
 def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: int,
                log: Callable[[str], None] = stderr_line) -> tuple[list[int], list[list[float]]]:
     """(the profiled cache widths `[K]`, `[K][S]` the branches' step seconds at each): the
-    cached ones, else measured at each of `CONTEXTS` (and cached)."""
+    cached ones, else measured at each of `CONTEXTS` (and cached). Costs kept from a noisy
+    profile (`KeptCosts.again`) are measured again, and the steadier of the two kept."""
     key = cost_key(target, drafter, batch_size, params)
     path = cost_path(key)
-    step_s, problem = cached_costs(path, key)
-    if step_s is not None:
-        return key["widths"], step_s
+    kept, problem = cached_costs(path, key)
+    if kept is not None and not kept.again:
+        return key["widths"], kept.step_s
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
     cached = [cached_tokens(target, c, drafter) for c in CONTEXTS]
+    why = ("once per device, model, dtype and batch size" if kept is None else
+           f"again: the kept ones scatter by +-{100 * kept.noise:.0f} %, profile {kept.profiles + 1} "
+           f"of at most {1 + REPROFILES}")
     log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
         f"{batch_size} on {key['device_kind']}, cache widths {' and '.join(map(str, key['widths']))} "
-        f"({' and '.join(map(str, cached))} tokens cached; once per device, model, dtype and batch size)")
+        f"({' and '.join(map(str, cached))} tokens cached; {why})")
     begin = time.perf_counter()
-    step_s = [profile_step_costs(target, params, drafter, inner_params, batch_size, context=c, width=w)
-              for c, w in zip(cached, key["widths"])]
+    step_s, noise = [], 0.0
+    for c, w in zip(cached, key["widths"]):
+        phases: dict = {}
+        step_s.append(profile_step_costs(target, params, drafter, inner_params, batch_size,
+                                         context=c, width=w, phases=phases))
+        noise = max(noise, phases.get("noise", 0.0))
     seconds = time.perf_counter() - begin
     names = [f"D={d}" for d in drafter.lengths] + [f"tree{i}" for i in range(len(drafter.trees))]
     log(f"auto: profiled in {seconds:.1f} s (" + "; ".join(
         f"width {w}: " + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in zip(names, at))
         for w, at in zip(key["widths"], step_s)) + f"), kept in {path}")
+    fresh = KeptCosts(step_s, noise, 1 if kept is None else kept.profiles + 1)
+    best = fresh if kept is None or fresh.noise <= kept.noise else dataclasses.replace(
+        kept, profiles=fresh.profiles)
+    if best is not fresh:
+        log(f"auto: kept the earlier profile's costs instead, steadier (+-{100 * kept.noise:.0f} % "
+            f"against +-{100 * fresh.noise:.0f} %)")
+    if best.again:
+        log(f"auto: the branches' costs scatter by +-{100 * best.noise:.0f} % between rounds (a busy "
+            f"machine?); the next run profiles again (at most {1 + REPROFILES - best.profiles} more "
+            "times), keeping the steadiest")
     try:
-        write_costs(path, key, step_s, seconds)
+        write_costs(path, key, best, seconds)
     except OSError as err:
         warnings.warn(f"auto step costs not kept ({err})", stacklevel=2)
-    return key["widths"], step_s
+    return key["widths"], best.step_s
 
 
 def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...]) -> list[float]:

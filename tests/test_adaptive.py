@@ -516,7 +516,7 @@ def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"key": {}}), "",
-                                     "FOREIGN", "OTHER_OPTIONS", "MALFORMED", "NEGATIVE"])
+                                     "FOREIGN", "OTHER_OPTIONS", "MALFORMED", "NEGATIVE", "BAD_NOISE"])
 def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content):
     _, drafter = costs_now()
     cfg, _ = model()
@@ -531,6 +531,8 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
         content = json.dumps({"key": key | {"compile_options": {}}, "step_s": [1.0] * 4})
     elif content == "MALFORMED":  # a cost per branch, but one context only (version 3's layout)
         content = json.dumps({"key": key, "step_s": [1.0] * 4})
+    elif content == "BAD_NOISE":
+        content = json.dumps({"key": key, "step_s": [[1.0] * 4, [1.0] * 4], "noise": "busy"})
     elif content == "NEGATIVE":
         content = json.dumps({"key": key, "step_s": [[1.0] * 4, [1.0, -1.0, 1.0, 1.0]]})
     path.write_text(content)
@@ -539,6 +541,50 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
     assert fake_profiler == [(4, auto_costs.profile_width(drafter, c)) for c in auto_costs.CONTEXTS] * 2
     assert len(step_s[0]) == 4
     assert json.loads(path.read_text())["key"] == key
+
+
+def test_a_noisy_profile_is_taken_again_by_the_next_runs_and_the_steadiest_kept(monkeypatch, tmp_path):
+    """A profile whose rounds scatter (a busy machine) serves its job; the next REPROFILES runs
+    profile again and keep the steadier costs; after them, and after a quiet profile, the file
+    is read."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    noises = iter([0.20, 0.11, 0.30, 0.25, 0.15, 0.12])  # two widths a profile: its noise, the larger
+    calls = []
+
+    def profile(target, params, drafter, inner_params, batch_size, *, context, width, phases, **_):
+        noise = next(noises)
+        phases["noise"] = noise
+        calls.append(noise)
+        return [noise * (1 + d) for d in drafter.lengths]  # each profile's own costs
+
+    monkeypatch.setattr(auto_costs, "profile_step_costs", profile)
+    runs = []
+    for _ in range(5):
+        lines = []
+        (_, step_s), drafter = costs_now(lines)
+        runs.append((step_s[0][0], len(calls), lines))
+    # run 1: noise 0.20, kept (1 profile); run 2: 0.30 > 0.20, the first kept (2 profiles);
+    # run 3: 0.15, kept (3 profiles); runs 4, 5: read, no profiling
+    assert [(cost, n) for cost, n, _ in runs] == [(0.20, 2), (0.20, 4), (0.15, 6), (0.15, 6), (0.15, 6)]
+    assert any("profiles again (at most 2 more times)" in line for line in runs[0][2])
+    assert any("profiling the step costs" in line and "scatter by +-20 %, profile 2 of at most 3" in line
+               for line in runs[1][2])
+    assert any("kept the earlier profile's costs" in line for line in runs[1][2])
+    assert runs[3][2] == []
+    kept = json.loads(auto_costs.cost_path(auto_costs.cost_key(model()[0], drafter, 4)).read_text())
+    assert kept["profiles"] == 3 and kept["noise"] == 0.15
+    # a quiet profile is never taken again
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "quiet"))
+    noises = iter([0.01, 0.02])
+    costs_now(), costs_now()
+    assert calls[6:] == [0.01, 0.02]
+
+
+def test_ratio_noise_is_the_largest_relative_standard_error_of_a_branchs_median():
+    rounds = np.array([[1.0, 1.2, 2.0], [1.0, 1.3, 2.0], [1.0, 1.4, 2.0], [1.0, 1.5, 2.0]])
+    q75, q25 = np.percentile(rounds[:, 1], [75, 25])
+    assert auto_costs.ratio_noise(rounds) == pytest.approx(0.93 * (q75 - q25) / 2 / 1.35)
+    assert auto_costs.ratio_noise(np.ones((5, 3))) == 0.0
 
 
 def test_the_wide_profile_caches_few_tokens_where_attention_reads_the_whole_buffer():
@@ -809,6 +855,10 @@ def test_the_profile_takes_each_branchs_median_ratio_to_the_plain_step(monkeypat
                                            budget_s=1e9, phases=phases)
     assert step_s == pytest.approx([1.0, 1.5]) and phases["first_call_s"] == 99.0
     assert phases["call_s"] == pytest.approx(0.5) and phases["rounds"] == 3
+    # per-round ratios 1.5, 12.5 / 8.5 (the loaded round, its call cost not scaled) and the
+    # burst's 3.75: the file would be profiled again
+    iqr = (1.5 + 3.75) / 2 - (12.5 / 8.5 + 1.5) / 2
+    assert phases["noise"] == pytest.approx(0.93 * iqr / 3 ** 0.5 / 1.5) and phases["noise"] > auto_costs.NOISY
     assert calls[1:] == [(0, 4), (1, 4), (0, 1), (1, 4), (0, 4), (0, 1), (0, 4), (1, 4), (0, 1)]
     calls.clear()
     auto_costs.profile_step_costs(cfg, params, drafter, None, 2, steps=4, rounds=9, budget_s=0.0,

@@ -13,7 +13,9 @@ public API (`specjax.generate_ids`, refilled slots: what a user gets) in each mo
 (no drafter), `auto` (the drafter given no num_draft: the draft shape picked every step; its
 step costs are profiled once per batch size, before the timed runs, or read from the cache) and
 `D=1, 2, 4, 8` (a fixed chain). Compilation is excluded (each program is built before it runs;
-`times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times, and
+`times.compile_s` is left out), the modes take turns in a rotating order `--repeats` times
+(then plain and auto alone `--pair-repeats` more times: the cells under the 0.97 line at 3
+repeats were the passes' spread, `docs/measure_and_tune.md`, 2026-12-07), and
 each cell reports the median tokens/s (emitted tokens / the programs' run seconds) per mode,
 auto / plain (the ratio of the medians, and "paired": the median of the per-repeat ratios, which
 cancels the machine's drift between repeats) and auto / the cell's best static D, auto's shape histogram, and its predicted
@@ -100,9 +102,11 @@ def timed(model, prompts, batch_size: int, max_new: int, options: dict) -> tuple
 
 
 def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int, turn: int,
-         static=STATIC, variants: dict[str, dict] | None = None) -> dict:
+         static=STATIC, variants: dict[str, dict] | None = None, pair_repeats: int = 0) -> dict:
     """One (drafter, B, category): median tokens/s per mode, modes rotated pass by pass
-    (`static` empty: plain and auto alone; the best-static fields then compare with plain)."""
+    (`static` empty: plain and auto alone; the best-static fields then compare with plain),
+    then `pair_repeats` more passes of plain, auto and the variants alone (the order reversed
+    every other pass): their medians and auto / plain over `repeats + pair_repeats` runs."""
     runs = modes(draft, static, variants)
     names = list(runs)
     rates: dict[str, list[float]] = {name: [] for name in names}
@@ -117,6 +121,10 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
                 auto_rows = [r.spec for r in out]
             if name in (variants or {}) and rep == 0:
                 variant_shapes[name] = job_summary([r.spec for r in out]).get("shape_histogram", {})
+    paired_names = [name for name in names if not name.startswith("D=")]
+    for rep in range(pair_repeats):
+        for name in paired_names[::-1] if (turn + rep) % 2 else paired_names:
+            rates[name].append(timed(model, prompts, batch_size, max_new, runs[name])[0])
     med = {name: statistics.median(v) for name, v in rates.items()}
     best = max((f"D={d}" for d in static), key=med.get, default="plain")
     summary = job_summary(auto_rows)
@@ -125,6 +133,7 @@ def cell(model, prompts, batch_size: int, max_new: int, draft: str, repeats: int
     _, decode_rate, static_out = max(checks, key=lambda check: check[1])
     predicted = job_summary([r.spec for r in static_out]).get("predicted_tokens_per_s")
     return {"num_prompts": len(prompts), "tokens_per_s": med, "runs": rates,
+            "auto_runs": len(rates["auto"]),
             "best_static": best,
             "auto_over_plain": med["auto"] / med["plain"],
             "auto_over_plain_paired": paired(rates["auto"], rates["plain"]),
@@ -181,6 +190,8 @@ def main(argv=None) -> int:
                         help="static chain lengths to compare (none: plain and auto alone)")
     parser.add_argument("--auto-variants", nargs="*", default=[],
                         help="NAME:FIELD=VALUE,...: auto with those AutoDrafter fields, as mode NAME")
+    parser.add_argument("--pair-repeats", type=int, default=0,
+                        help="more passes of plain, auto and the variants alone, after --repeats")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = parse_rows(args.rows)
@@ -189,7 +200,8 @@ def main(argv=None) -> int:
     groups = category_prompts(model.tokenizer, args.prompts, args.max_prompt)
     names = args.categories or list(groups)
     report = {"command": "python " + " ".join(sys.argv), "model": args.model, "dtype": "float32",
-              "max_new_tokens": args.max_new, "repeats": args.repeats, "static": args.static,
+              "max_new_tokens": args.max_new, "repeats": args.repeats,
+              "pair_repeats": args.pair_repeats, "static": args.static,
               "results": {}}
     start = time.perf_counter()
     turn = 0
@@ -198,7 +210,8 @@ def main(argv=None) -> int:
             cells = {}
             for name in names:
                 cells[name] = cell(model, groups[name][: rows.get(b, b)], b, args.max_new, draft,
-                                   args.repeats, turn, tuple(args.static), variants)
+                                   args.repeats, turn, tuple(args.static), variants,
+                                   args.pair_repeats)
                 turn += 1
                 c = cells[name]
                 print(f"{draft} B={b} {name:<15} plain {c['tokens_per_s']['plain']:6.1f} auto "

@@ -13,8 +13,8 @@ batch size, drafter, lengths), and kept as JSON in `$SPECJAX_CACHE/step_costs/` 
 `~/.cache/specjax/step_costs/`). A missing file is profiled (a line on stderr says so and how
 long it took); an unreadable one, or one made for another device or model, is profiled again
 with a warning: never an error. A profile whose branches' ratios scatter (a busy machine:
-`NOISY`) serves its job and is profiled again by the next `REPROFILES` runs, the steadiest
-kept. `costs_from_profile` reads the same costs from a
+`NOISY`) serves its process and is profiled again by the next `REPROFILES` processes, the
+steadiest kept. `costs_from_profile` reads the same costs from a
 `specjax profile` / `specjax tune` latency profile instead.
 """
 from __future__ import annotations
@@ -74,7 +74,10 @@ DONATED_BYTES = 1 << 16  # a profile call's leaves of at least this are donated 
 #: a profile whose `ratio_noise` is above this (SmolLM2 on 2 CPU cores: 0.02-0.055 on a quiet
 #: machine, 0.066-0.15 with a test suite running beside it) ...
 NOISY = 0.065
-REPROFILES = 2  # ... is profiled again by up to this many later runs, the steadiest kept
+REPROFILES = 2  # ... is profiled again by up to this many later processes, the steadiest kept
+#: the cost files this process profiled: a noisy one is not profiled again by the same process
+#: (a script generating many times, a benchmark's modes)
+PROFILED_HERE: set[str] = set()
 
 
 def stderr_line(message: str) -> None:
@@ -404,11 +407,12 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
                log: Callable[[str], None] = stderr_line) -> tuple[list[int], list[list[float]]]:
     """(the profiled cache widths `[K]`, `[K][S]` the branches' step seconds at each): the
     cached ones, else measured at each of `CONTEXTS` (and cached). Costs kept from a noisy
-    profile (`KeptCosts.again`) are measured again, and the steadier of the two kept."""
+    profile (`KeptCosts.again`) are measured again by a later process (`PROFILED_HERE`), and the
+    steadier of the two kept."""
     key = cost_key(target, drafter, batch_size, params)
     path = cost_path(key)
     kept, problem = cached_costs(path, key)
-    if kept is not None and not kept.again:
+    if kept is not None and (not kept.again or str(path) in PROFILED_HERE):
         return key["widths"], kept.step_s
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
@@ -428,6 +432,7 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
                                          context=c, width=w, phases=phases))
         noise = max(noise, phases.get("noise", 0.0))
     seconds = time.perf_counter() - begin
+    PROFILED_HERE.add(str(path))
     names = [f"D={d}" for d in drafter.lengths] + [f"tree{i}" for i in range(len(drafter.trees))]
     log(f"auto: profiled in {seconds:.1f} s (" + "; ".join(
         f"width {w}: " + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in zip(names, at))
@@ -440,7 +445,7 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
             f"against +-{100 * fresh.noise:.0f} %)")
     if best.again:
         log(f"auto: the branches' costs scatter by +-{100 * best.noise:.0f} % between rounds (a busy "
-            f"machine?); the next run profiles again (at most {1 + REPROFILES - best.profiles} more "
+            f"machine?); the next process profiles again (at most {1 + REPROFILES - best.profiles} more "
             "times), keeping the steadiest")
     try:
         write_costs(path, key, best, seconds)

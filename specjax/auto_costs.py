@@ -419,7 +419,7 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
     cached = [cached_tokens(target, c, drafter) for c in CONTEXTS]
     why = ("once per device, model, dtype and batch size" if kept is None else
-           f"again: the kept ones scatter by +-{100 * kept.noise:.0f} %, profile {kept.profiles + 1} "
+           f"again: the kept ones are uncertain to +-{100 * kept.noise:.0f} %, profile {kept.profiles + 1} "
            f"of at most {1 + REPROFILES}")
     log(f"auto: profiling the step costs of draft lengths {list(drafter.lengths)}{trees} at batch "
         f"{batch_size} on {key['device_kind']}, cache widths {' and '.join(map(str, key['widths']))} "
@@ -444,8 +444,8 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
         log(f"auto: kept the earlier profile's costs instead, steadier (+-{100 * kept.noise:.0f} % "
             f"against +-{100 * fresh.noise:.0f} %)")
     if best.again:
-        log(f"auto: the branches' costs scatter by +-{100 * best.noise:.0f} % between rounds (a busy "
-            f"machine?); the next process profiles again (at most {1 + REPROFILES - best.profiles} more "
+        log(f"auto: the branches' costs are uncertain to +-{100 * best.noise:.0f} % (their rounds "
+            f"scatter: a busy machine?); the next process profiles again (at most {1 + REPROFILES - best.profiles} more "
             "times), keeping the steadiest")
     try:
         write_costs(path, key, best, seconds)

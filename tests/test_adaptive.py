@@ -570,7 +570,7 @@ def test_a_noisy_profile_is_taken_again_by_the_next_runs_and_the_steadiest_kept(
     # run 3: 0.15, kept (3 profiles); runs 4, 5: read, no profiling
     assert [(cost, n) for cost, n, _ in runs] == [(0.20, 2), (0.20, 4), (0.15, 6), (0.15, 6), (0.15, 6)]
     assert any("profiles again (at most 2 more times)" in line for line in runs[0][2])
-    assert any("profiling the step costs" in line and "scatter by +-20 %, profile 2 of at most 3" in line
+    assert any("profiling the step costs" in line and "uncertain to +-20 %, profile 2 of at most 3" in line
                for line in runs[1][2])
     assert any("kept the earlier profile's costs" in line for line in runs[1][2])
     assert runs[3][2] == []

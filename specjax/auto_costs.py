@@ -71,8 +71,8 @@ MIN_ROUNDS = 3  # rounds over the branches at least ...
 ROUNDS = 16  # ... and at most
 BUDGET_S = 10.0  # past MIN_ROUNDS, no further round once the timed calls took this
 DONATED_BYTES = 1 << 16  # a profile call's leaves of at least this are donated (`Donated`)
-#: a profile whose `ratio_noise` is above this (SmolLM2 on 2 CPU cores: 0.02-0.055 on a quiet
-#: machine, 0.066-0.15 with a test suite running beside it) ...
+#: a profile whose `ratio_noise` is above this (SmolLM2 on 2 CPU cores: 0.016-0.054 on a quiet
+#: machine, 0.077-0.15 with a test suite running beside it) ...
 NOISY = 0.065
 REPROFILES = 2  # ... is profiled again by up to this many later processes, the steadiest kept
 #: the cost files this process profiled: a noisy one is not profiled again by the same process

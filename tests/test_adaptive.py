@@ -215,9 +215,78 @@ def test_a_plain_step_asks_only_lookup_drafters_for_a_proposal(kind):
         drafter = AutoDrafter.wrap(NoProposals(tree=chain(1), cfg=inner.cfg), (0, 1))
     plain_step = functools.partial(drafter._plain_branch, cfg, params, inner_params, sampling,
                                    criteria)
-    *_, reached, hits = jax.jit(plain_step)(state, drafter_state.inner, metrics)
+    *_, reached, hits, _, _ = jax.jit(plain_step)(state, drafter_state.inner, metrics,
+                                                   drafter_state.watched, drafter_state.watch_at)
     assert drafter.inner.observe_plain_steps == (kind == "ngram")
     assert float(reached[0, 0, 0]) == (1.0 if kind == "ngram" else 0.0)  # row 0, depth 0, rank 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_plain_steps_watch_a_lookup_chain_token_by_token(kind):
+    """A lookup drafter's plain steps observe its chain one depth a step: a fresh chain's
+    depth 0 against the sampled token, then while they agree depths 1, 2, ... of the same chain
+    against the next steps' tokens; a miss or the chain's end takes a fresh chain. Checked
+    against a step-by-step reference over ragged rows, one of them ending early."""
+    from specjax.loop import StopCriteria, spec_start_program
+    from specjax.models.cache import init_cache
+    from specjax.sampling import SamplingParams
+
+    cfg, params = model()
+    inner, lengths = INNER[kind]
+    drafter = AutoDrafter.wrap(inner, lengths)
+    depth, max_depth = drafter.watch_depth, drafter.tree.max_depth
+    assert depth == max(lengths)
+    auto_params = AutoParams(inner=None, step_s=jnp.ones(len(lengths)))
+    sampling, criteria = SamplingParams.make(), StopCriteria.make((), ())
+    width, lens = 48, [len(p) for p in PROMPTS]
+    padded = jnp.asarray([p + [0] * (max(lens) - len(p)) for p in PROMPTS], jnp.int32)
+    max_new = jnp.asarray([30, 30, 5, 30, 30], jnp.int32)  # row 2 ends early
+    state, drafter_state, metrics = spec_start_program(
+        cfg, params, drafter, auto_params, padded, jnp.asarray(lens, jnp.int32), max_new,
+        init_cache(cfg, len(PROMPTS), width), jax.random.PRNGKey(0), sampling, criteria,
+        drafter.init_carry(auto_params), width=width)
+    plain_step = jax.jit(functools.partial(drafter._plain_branch, cfg, params, None, sampling, criteria))
+    propose = jax.jit(lambda inner_state, state: drafter.shaped(depth).propose(
+        None, inner_state, state, None, sampling)[0])
+    inner_state, watched, watch_at = drafter_state.inner, drafter_state.watched, drafter_state.watch_at
+    chains = [None] * len(PROMPTS)  # the reference: each row's chain under watch and its depth
+    at = [0] * len(PROMPTS)
+    hits_seen = deep_seen = 0
+    for _ in range(20):
+        draft = propose(inner_state, state)
+        fresh = np.where(np.asarray(draft.valid), np.asarray(draft.tokens), -1)
+        active = ~np.asarray(state.done)
+        state, inner_state, metrics, reached, hits, watched, watch_at = plain_step(
+            state, inner_state, metrics, watched, watch_at)
+        tokens = np.asarray(state.last_token)
+        for row in range(len(PROMPTS)):
+            if at[row] == 0:
+                chains[row] = fresh[row]
+            expect_reached = np.zeros((max_depth, drafter.num_ranks))
+            expect_hits = np.zeros_like(expect_reached)
+            if active[row]:
+                hit = chains[row][at[row]] >= 0 and chains[row][at[row]] == tokens[row]
+                expect_reached[at[row], 0], expect_hits[at[row], 0] = 1.0, float(hit)
+                hits_seen += hit
+                deep_seen += at[row] > 0
+                at[row] = at[row] + 1 if hit and at[row] + 1 < depth else 0
+            np.testing.assert_array_equal(np.asarray(reached[row]), expect_reached)
+            np.testing.assert_array_equal(np.asarray(hits[row]), expect_hits)
+        assert list(np.asarray(watch_at)) == at
+    assert hits_seen and deep_seen  # the test's rows repeat themselves: the chains are followed
+
+
+def test_a_lookup_drafters_job_starts_with_a_plain_step():
+    """With nothing observed, a lookup drafter's first step is plain (`plain_first`): it
+    observes depth 0 of every row for free; then the cost table's pick. A model drafter's
+    plain steps observe nothing, so it starts at the pick."""
+    free_drafts = [1.0] * 4
+    drafter, params = auto("ngram", free_drafts)
+    results = run(drafter, params, refill=False, batch_size=8)
+    assert [r.token_ids for r in results] == plain()
+    assert histogram(results)["0"] == len(PROMPTS)  # one batch, one plain step of each row
+    drafter, params = auto("ngram", free_drafts, plain_first=False)
+    assert "0" not in histogram(run(drafter, params, refill=False, batch_size=8))
 
 
 def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs():
@@ -227,7 +296,7 @@ def test_greedy_auto_picking_by_cost_equals_plain_greedy_and_follows_the_costs()
     assert [r.token_ids for r in results] == plain() and set(histogram(results)) == {"0"}
     free_drafts = AutoParams(inner=None, step_s=jnp.asarray([1.0, 1.0, 1.0, 1.0]))
     results = run(drafter, free_drafts, refill=True)
-    assert [r.token_ids for r in results] == plain() and "0" not in histogram(results)
+    assert [r.token_ids for r in results] == plain() and histogram(results)["0"] <= 2  # plain_first
     spec = results[0].spec
     assert spec["predicted_tokens_per_s"] == pytest.approx(spec["predicted_tokens"] / spec["predicted_s"])
 
@@ -284,7 +353,8 @@ def test_the_pick_follows_the_estimate_and_the_active_rows():
 def test_a_draft_shape_must_beat_plain_decoding_by_min_gain():
     drafter, params = auto("ngram", step_s=[1.0, 1.3, 1.35, 1.5])
     state = drafter.init(params, 2, 16)
-    state = state.replace(conditional=jnp.full_like(state.conditional, 0.4))
+    state = state.replace(conditional=jnp.full_like(state.conditional, 0.4),
+                          job_seen=jnp.ones_like(state.job_seen))  # past plain_first's free look
     decode = types.SimpleNamespace(done=jnp.zeros(2, bool), tokens=jnp.zeros((2, 16), jnp.int32),
                                    step=jnp.int32(0), max_new=jnp.full(2, 9), num_new=jnp.zeros(2, int))
     tokens_per_s = np.asarray(drafter.predicted(params, state, ~decode.done)[0])
@@ -323,12 +393,12 @@ def test_sampling_with_auto_matches_plain_sampling(rotate):
     stat, dof, p = chi_square(np.asarray(samples), double_prompt_joint())
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.3g}"
     hist = histogram(out)
-    if rotate == "tree":
-        assert sorted(hist) == ["tree0"]
+    if rotate == "tree":  # a plain first step (plain_first), then the cheap tree
+        assert sorted(hist) == ["0", "tree0"] and hist["0"] == len(out)
     elif rotate:  # step % 3: a row's 3 tokens take at most two steps (D = 0, then D = 1)
         assert sorted(hist) == ["0", "1"]
-    else:  # picked: the cheap long chain
-        assert sorted(hist) == ["2"]
+    else:  # picked: a plain first step (plain_first), then the cheap long chain
+        assert sorted(hist) == ["0", "2"] and hist["0"] == len(out)
 
 
 @functools.cache
@@ -387,6 +457,7 @@ def test_a_draining_job_picks_the_soonest_end_of_its_slowest_row():
     drafter, params = auto("ngram", step_s=[1.0, 1.5, 1.75, 2.5])  # D = 0, 1, 2, 4
     state = drafter.init(params, 2, 16)
     assert bool(state.draining)  # a static batch drains from the start
+    state = state.replace(job_seen=jnp.ones_like(state.job_seen))  # past plain_first's free look
     mixed = state.replace(conditional=jnp.asarray([[1.0] * 4, [0.0] * 4]))
     decode = lambda left: types.SimpleNamespace(
         done=jnp.zeros(2, bool), tokens=jnp.zeros((2, 16), jnp.int32), step=jnp.int32(0),

@@ -11,8 +11,12 @@ branch the whole step of that shape on the same operands:
 - D = 0: `loop.ar_step_out` and the inner drafter's `update` with the root's row as the
   accepted path (the learned heads ingest the root's features there). A drafter whose
   proposal is a lookup (`Drafter.observe_plain_steps`: n-gram, suffix) also proposes a chain
-  of 1, to observe whether its first token would have been accepted (no verify cost); one
-  that runs a model to propose only `sync`s instead (a draft model feeds the token before the
+  `watch_depth` long and watches it, one depth a step: a fresh chain's first token against
+  the token this step samples, then while they agree the next depths against the next plain
+  steps' tokens (what a spec step of that chain would have accepted; no verify cost), so a
+  job decoding plain learns every depth's acceptance for free, and its first step is plain
+  (`plain_first`) rather than one priced from the prior. One that runs a model to propose
+  only `sync`s instead (a draft model feeds the token before the
   root, layerskip copies it from the target's cache, so the draft cache stays valid below
   `num_tokens - 2` as after any spec step), and the step costs what a plain decoding step
   does: running the proposal there made layerskip:8's plain branch 1.7x a plain step, and auto
@@ -134,6 +138,10 @@ class AutoState:
     job: jax.Array  # [Dmax, R] the job's estimate over all its rows (ranks 0..R-1): a new row's start
     seen: jax.Array  # [B, Dmax, R] observations behind each row's estimate (capped: `updated_estimate`)
     job_seen: jax.Array  # [Dmax, R] the same for the job's
+    #: [B, Dmax] int32 the chain a lookup drafter proposed at a row's last fresh plain step
+    #: (-1: no token), which its next plain steps check token by token (`AutoDrafter.watch`)
+    watched: jax.Array
+    watch_at: jax.Array  # [B] int32 the depth of `watched` the row's next plain step checks (0: a fresh chain)
     #: [] bool: no queued prompt takes a slot whose row ends (a static batch; a refilling job's
     #: last call once its queue is empty): the job ends with its slowest row (`finish_rates`)
     draining: jax.Array
@@ -153,12 +161,18 @@ class AutoDrafter(Drafter):
     decay: float = 0.9  # EMA weight kept per observation, once the observations outweigh the prior
     relax: float = 0.01  # per step, unobserved depths move this much of the way to the prior
     min_gain: float = 0.05  # a draft shape must beat plain decoding's predicted tokens/s by this fraction
+    #: how deep a lookup drafter's plain steps observe (None: max(lengths); 1: depth 0 only)
+    watch: int | None = None
+    #: a lookup drafter's job starts with a plain step (its first observations cost nothing)
+    plain_first: bool = True
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
 
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
             raise ValueError("auto needs a drafter whose state does not depend on its tree "
                              f"(Drafter.shape_free_state), got {self.inner and self.inner.name}")
+        if self.watch is not None and not 1 <= self.watch <= max(self.lengths, default=0):
+            raise ValueError(f"auto's watch must be in 1..{max(self.lengths)}, got {self.watch}")
         if not self.min_gain >= 0.0:
             raise ValueError(f"auto's min_gain must be >= 0, got {self.min_gain}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
@@ -197,6 +211,14 @@ class AutoDrafter(Drafter):
     def name(self) -> str:
         return self.inner.name
 
+    @property
+    def watch_depth(self) -> int:
+        """How deep a plain step observes: the chain `watch` (default max(lengths)) long that
+        a lookup drafter proposes there (`_plain_branch`); 0 for one that runs a model."""
+        if not self.inner.observe_plain_steps:
+            return 0
+        return int(self.watch or max(self.lengths))
+
     def shaped(self, num_draft: int) -> Drafter:
         """The inner drafter on a chain of num_draft >= 1."""
         return dataclasses.replace(self.inner, tree=chain(num_draft))
@@ -211,7 +233,7 @@ class AutoDrafter(Drafter):
         rows = jnp.broadcast_to(job, (batch_size,) + job.shape)
         return AutoState(self.inner.init(params.inner, batch_size, width), rows[..., 0],
                          rows[..., 1:], job, jnp.zeros_like(rows), jnp.zeros_like(job),
-                         jnp.ones((), bool))
+                         *unwatched(batch_size, self.tree.max_depth), jnp.ones((), bool))
 
     def init_carry(self, params: AutoParams):
         return self.inner.init_carry(params.inner)
@@ -232,10 +254,12 @@ class AutoDrafter(Drafter):
         """The inner drafter's refill; the new rows' acceptance estimates start from the job's
         (weighted as the prior is: no observation of the row's own yet)."""
         fresh = jnp.broadcast_to(state.job, slots.shape + state.job.shape)
-        rows = put_rows((state.conditional, state.siblings, state.seen),
-                        (fresh[..., 0], fresh[..., 1:], jnp.zeros_like(fresh)), slots)
+        rows = put_rows((state.conditional, state.siblings, state.seen, state.watched, state.watch_at),
+                        (fresh[..., 0], fresh[..., 1:], jnp.zeros_like(fresh),
+                         *unwatched(slots.shape[0], self.tree.max_depth)), slots)
         return state.replace(inner=self.inner.refill(params.inner, state.inner, decode, target_out, slots),
-                             conditional=rows[0], siblings=rows[1], seen=rows[2])
+                             conditional=rows[0], siblings=rows[1], seen=rows[2],
+                             watched=rows[3], watch_at=rows[4])
 
     def draining(self, state: AutoState, draining: jax.Array) -> AutoState:
         return state.replace(draining=jnp.asarray(draining, bool))
@@ -288,7 +312,10 @@ class AutoDrafter(Drafter):
         if self.rotate:
             return (decode.step % self.num_shapes).astype(jnp.int32), per_step
         rates = jnp.where(state.draining, self.finish_rates(params, state, decode), tokens_per_s)
-        return jnp.argmax(handicapped(rates, self.min_gain)).astype(jnp.int32), per_step
+        index = jnp.argmax(handicapped(rates, self.min_gain)).astype(jnp.int32)
+        if self.plain_first and self.watch_depth:  # nothing observed yet: a free look first
+            index = jnp.where(state.job_seen[0, 0] > 0, index, 0)
+        return index, per_step
 
     def switched_step(self, target, params, drafter_params: AutoParams, state: DecodeState,
                       drafter_state: AutoState, metrics, sampling, criteria, branch=None,
@@ -311,18 +338,24 @@ class AutoDrafter(Drafter):
 
         def body(index: int, carry):
             state, auto_state, metrics, count, _, per_step, _ = carry
-            one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
-                   else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
             active = ~state.done
-            state, inner, metrics, reached, hits = one(target, params, drafter_params.inner, sampling,
-                                                       criteria, state, auto_state.inner, metrics)
+            if index == 0:  # lengths[0] == 0: plain decoding, watching the lookup's chain
+                state, inner, metrics, reached, hits, watched, watch_at = self._plain_branch(
+                    target, params, drafter_params.inner, sampling, criteria, state,
+                    auto_state.inner, metrics, auto_state.watched, auto_state.watch_at)
+            else:  # a spec step: the next plain step watches a fresh chain
+                one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
+                       else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
+                state, inner, metrics, reached, hits = one(target, params, drafter_params.inner, sampling,
+                                                           criteria, state, auto_state.inner, metrics)
+                watched, watch_at = auto_state.watched, jnp.zeros_like(auto_state.watch_at)
             metrics = metrics.record_shape(active, jnp.asarray(self.slots)[index], per_step[index],
                                            drafter_params.costs_at(width)[index])
             rows, seen = update(jnp.concatenate([auto_state.conditional[..., None],
                                                  auto_state.siblings], -1), auto_state.seen, reached, hits)
             job, job_seen = update(auto_state.job, auto_state.job_seen, reached.sum(0), hits.sum(0))
             auto_state = AutoState(inner, rows[..., 0], rows[..., 1:], job, seen, job_seen,
-                                   auto_state.draining)
+                                   watched, watch_at, auto_state.draining)
             count = count + 1
             next_index, per_step = self.pick(drafter_params, auto_state, state)  # the next step's
             if branch is not None:
@@ -344,13 +377,10 @@ class AutoDrafter(Drafter):
 
     def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
-        """One step of a chain of num_draft (0: plain) -> (state, inner state, metrics,
+        """One step of a chain of num_draft >= 1 -> (state, inner state, metrics,
         reached `[B, Dmax, R]`, hits `[B, Dmax, R]`: whether each row observed depth j's
         candidate of rank r, and accepted it; a chain observes rank 0 only)."""
         active = ~state.done
-        if num_draft == 0:
-            return self._plain_branch(target, params, inner_params, sampling, criteria, state,
-                                      inner_state, metrics)
         before = metrics.accepted
         state, inner_state, metrics = fixed_spec_step(
             target, params, self.shaped(num_draft), inner_params, state, inner_state, metrics,
@@ -376,31 +406,68 @@ class AutoDrafter(Drafter):
         return state, inner_state, metrics, reached, hits
 
     def _plain_branch(self, target, params, inner_params, sampling, criteria, state: DecodeState,
-                      inner_state, metrics):
-        """A plain step, the drafter kept in step (`update` with the root as the accepted path).
-        With `observe_plain_steps` a chain-of-1 draft observes depth 0 on the way; without, the
-        drafter only `sync`s, nothing is observed (the estimate relaxes to the prior, so a
-        drafter that stopped paying is tried again now and then)."""
+                      inner_state, metrics, watched: jax.Array, watch_at: jax.Array):
+        """A plain step, the drafter kept in step (`update` with the root as the accepted path)
+        -> `_branch`'s values and the watched chains (`AutoState.watched`, `.watch_at`).
+
+        A lookup drafter (`observe_plain_steps`) proposes a chain `watch_depth` long and its
+        plain steps observe it for free, one token a step: a row with no chain under watch
+        checks a fresh one's token at depth 0 against the token this step samples; while
+        they agree, its next plain steps check depths 1, 2, ... of the same chain against the
+        tokens they sample (what a spec step of that chain would have accepted, greedy; with
+        sampling, accepted with the same probability p(token)); a miss, the chain's end or a
+        spec step ends the watch. Proposing a lookup costs next to nothing, so a job that
+        decodes plain still learns each depth's acceptance, and need not pay spec steps to
+        explore. A drafter that runs a model to propose only `sync`s instead and observes
+        nothing (the estimate relaxes to the prior, so a drafter that stopped paying is tried
+        again now and then)."""
         active = ~state.done
-        drafter = self.shaped(1)
-        if drafter.observe_plain_steps:
+        depth, max_depth = self.watch_depth, self.tree.max_depth
+        if depth:
             propose_key = split_rows(state.next_keys(), state.tokens.shape[0], 2)[0]
-            draft, inner_state = drafter.propose(inner_params, inner_state, state, propose_key,
-                                                 sampling)
+            draft, inner_state = self.shaped(depth).propose(inner_params, inner_state, state,
+                                                            propose_key, sampling)
+            fresh = jnp.pad(jnp.where(draft.valid, draft.tokens, -1), ((0, 0), (0, max_depth - depth)),
+                            constant_values=-1)
+        drafter = self.shaped(1)
         state, token, out = ar_step_out(target, params, state, sampling, criteria, drafter.hidden_layers)
-        if not drafter.observe_plain_steps:
+        if not depth:
             inner_state = drafter.sync(inner_params, inner_state, state)
         zeros = jnp.zeros_like(token)
         result = AcceptResult(path=jnp.zeros((token.shape[0], 2), jnp.int32), num_accepted=zeros,
                               next_token=token)
         inner_state = drafter.update(inner_params, inner_state, state, result, out)
         metrics = metrics.record(active, zeros, zeros)
-        if drafter.observe_plain_steps:
-            hit = draft.valid[:, 0] & (draft.tokens[:, 0] == token)
-            reached, hits = observations(active, hit.astype(jnp.int32), 1, self.tree.max_depth)
-        else:
-            reached = hits = jnp.zeros((token.shape[0], self.tree.max_depth), jnp.float32)
-        return state, inner_state, metrics, *self._ranked(reached, hits)
+        if not depth:
+            reached = hits = jnp.zeros((token.shape[0], max_depth), jnp.float32)
+            return state, inner_state, metrics, *self._ranked(reached, hits), watched, watch_at
+        reached, hits, watched, watch_at = watched_observations(active, token, fresh, watched,
+                                                                watch_at, depth)
+        return state, inner_state, metrics, *self._ranked(reached, hits), watched, watch_at
+
+
+def unwatched(batch_size: int, max_depth: int):
+    """(watched `[B, Dmax]` int32, watch_at `[B]` int32) with no chain under watch."""
+    return (jnp.full((batch_size, max_depth), -1, jnp.int32), jnp.zeros((batch_size,), jnp.int32))
+
+
+def watched_observations(active: jax.Array, token: jax.Array, fresh: jax.Array, watched: jax.Array,
+                         watch_at: jax.Array, depth: int):
+    """One plain step's observations of the chains under watch -> (reached `[B, Dmax]`, hits
+    `[B, Dmax]` f32 0/1, watched, watch_at): each active row (`[B]`) checks its chain's token
+    at depth watch_at `[B]` (a row at 0 takes its fresh chain `[B, Dmax]`, -1 = no token)
+    against the token it sampled `[B]`; a hit moves the watch one deeper, up to `depth`, a
+    miss ends it."""
+    live = watch_at > 0
+    watched = jnp.where(live[:, None], watched, fresh)
+    at = jnp.where(live, watch_at, 0)
+    expected = jnp.take_along_axis(watched, at[:, None], axis=1)[:, 0]
+    hit = active & (expected >= 0) & (expected == token)
+    here = jax.nn.one_hot(at, watched.shape[1], dtype=jnp.float32)
+    reached = here * active[:, None]
+    hits = here * hit[:, None]
+    watch_at = jnp.where(hit & (at + 1 < depth), at + 1, 0).astype(jnp.int32)
+    return reached, hits, watched, watch_at
 
 
 def handicapped(tokens_per_s: jax.Array, min_gain: float) -> jax.Array:

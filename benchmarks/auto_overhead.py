@@ -12,19 +12,22 @@ checks that both emit the same tokens (docs/measure_and_tune.md quotes a run), a
 mode's median prefill ms (the drafter's own prefill: suffix's table of the prompts).
 
 `--num-draft 0`: auto's plain branch against plain decoding. `static` is then plain decoding
-(no drafter) and `forced` auto over (0, 1) with the plain step priced far below D = 1, so every
-step is auto's plain branch; ms per step is then decode seconds per new token of a row (both
-emit exactly `--max-new` tokens a row, one a step).
+(no drafter) and `forced` the default auto (chains of `BASE_LENGTHS`) with the plain step priced
+far below the rest, so every step is auto's plain branch, which watches a chain of 8 (its
+lookup proposal, `AutoDrafter.watch`); `watch1` the same watching depth 0 only. ms per step
+is then decode seconds per new token of a row (all emit exactly `--max-new` tokens a row, one
+a step). Besides the medians, the median of each pass's ratio to `static` (paired).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import jax.numpy as jnp
 
 import specjax
-from specjax.drafters.auto import AutoDrafter, AutoParams
+from specjax.drafters.auto import BASE_LENGTHS, AutoDrafter, AutoParams
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.models.hub import load_model
@@ -44,17 +47,20 @@ def main() -> None:
     prompts = [[1 + (7 * i + j) % 500 for j in range(200)] for i in range(args.batch)]
     plain_only = args.num_draft == 0
     inner = {"ngram": NgramDrafter, "suffix": SuffixDrafter}[args.draft](tree=chain(1))
-    forced = AutoDrafter.wrap(inner, (0, max(args.num_draft, 1)))
-    step_s = [1e-3, 1.0] if plain_only else [1.0, 1e-3]  # the forced shape: far the cheapest
+    lengths = BASE_LENGTHS if plain_only else (0, args.num_draft)
+    forced = AutoDrafter.wrap(inner, lengths)
+    step_s = [1e-3] + [1.0] * (len(lengths) - 1) if plain_only else [1.0, 1e-3]  # the forced shape: far the cheapest
     costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
     modes = {"static": {} if plain_only else {"draft": args.draft, "num_draft": args.num_draft},
              "forced": {"draft": (forced, costs)}}
+    if plain_only:
+        modes["watch1"] = {"draft": (dataclasses.replace(forced, watch=1), costs)}
     names = list(modes)
     ms: dict[str, list[float]] = {name: [] for name in names}
     prefill_ms: dict[str, list[float]] = {name: [] for name in names}
     tokens = {}
     for rep in range(args.repeats + 1):  # pass 0 compiles
-        for name in names[rep % 2:] + names[:rep % 2]:
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             out = specjax.generate_ids(model.cfg, model.params, prompts, batch_size=args.batch,
                                        max_new_tokens=args.max_new, eos_ids=[], refill=False,
                                        **modes[name])  # static batches: prefill timed apart
@@ -67,9 +73,11 @@ def main() -> None:
     med = {name: statistics.median(v) for name, v in ms.items()}
     print({name: [round(x, 2) for x in v] for name, v in ms.items()})
     print("prefill ms (median):", {name: round(statistics.median(v), 1) for name, v in prefill_ms.items()})
-    print(f"{args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, forced auto "
-          f"{med['forced']:.2f} ms/step, forced/static {med['forced'] / med['static']:.3f}; "
-          f"same tokens: {tokens['static'] == tokens['forced']}")
+    paired = {name: statistics.median(a / b for a, b in zip(ms[name], ms["static"])) for name in names[1:]}
+    print(f"{args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, " + ", ".join(
+        f"{name} {med[name]:.2f} ms/step, {name}/static {med[name] / med['static']:.3f} (paired "
+        f"{paired[name]:.3f})" for name in names[1:]) +
+        f"; same tokens: {all(tokens[name] == tokens['static'] for name in names)}")
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ from specjax.xla_options import current_options, program
 #: call's own cost, from calls of 1 and 4 steps, left out; 5: the wide width with `CONTEXT`
 #: tokens cached where a step's cost follows the width alone, `cached_tokens`; on CPU the key
 #: names the kernels' sources, `cost_key`; 6: the caches donated, each branch's median ratio to
-#: the plain step over rounds of calls, was each one's fastest call, `profile_step_costs`)
-VERSION = 6
+#: the plain step over rounds of calls, was each one's fastest call, `profile_step_costs`; 7: a
+#: lookup drafter's plain branch proposes a chain of `AutoDrafter.watch_depth`, not 1)
+VERSION = 7
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
 #: cache writes), and not alike for every branch (SmolLM2, B = 8 here: D=4 / D=0 2.0 at 64

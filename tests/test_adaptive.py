@@ -221,11 +221,12 @@ def test_a_plain_step_asks_only_lookup_drafters_for_a_proposal(kind):
     assert float(reached[0, 0, 0]) == (1.0 if kind == "ngram" else 0.0)  # row 0, depth 0, rank 0
 
 
-@pytest.mark.parametrize("kind", ["ngram", "suffix"])
-def test_plain_steps_watch_a_lookup_chain_token_by_token(kind):
+@pytest.mark.parametrize("kind,every", [("ngram", 1), ("ngram", 3), ("suffix", 1), ("suffix", 4)])
+def test_plain_steps_watch_a_lookup_chain_token_by_token(kind, every):
     """A lookup drafter's plain steps observe its chain one depth a step: a fresh chain's
     depth 0 against the sampled token, then while they agree depths 1, 2, ... of the same chain
-    against the next steps' tokens; a miss or the chain's end takes a fresh chain. Checked
+    against the next steps' tokens; a miss or the chain's end takes a fresh chain, proposed on
+    the first step and every `watch_every`-th (a row waiting for one observes nothing). Checked
     against a step-by-step reference over ragged rows, one of them ending early."""
     from specjax.loop import StopCriteria, spec_start_program
     from specjax.models.cache import init_cache
@@ -233,7 +234,7 @@ def test_plain_steps_watch_a_lookup_chain_token_by_token(kind):
 
     cfg, params = model()
     inner, lengths = INNER[kind]
-    drafter = AutoDrafter.wrap(inner, lengths)
+    drafter = AutoDrafter.wrap(inner, lengths, watch_every=every)
     depth, max_depth = drafter.watch_depth, drafter.tree.max_depth
     assert depth == max(lengths)
     auto_params = AutoParams(inner=None, step_s=jnp.ones(len(lengths)))
@@ -251,20 +252,23 @@ def test_plain_steps_watch_a_lookup_chain_token_by_token(kind):
     inner_state, watched, watch_at = drafter_state.inner, drafter_state.watched, drafter_state.watch_at
     chains = [None] * len(PROMPTS)  # the reference: each row's chain under watch and its depth
     at = [0] * len(PROMPTS)
-    hits_seen = deep_seen = 0
-    for _ in range(20):
+    hits_seen = deep_seen = waits = 0
+    for step in range(20):
         draft = propose(inner_state, state)
         fresh = np.where(np.asarray(draft.valid), np.asarray(draft.tokens), -1)
         active = ~np.asarray(state.done)
+        proposing = step == 0 or int(state.step) % every == 0
         state, inner_state, metrics, reached, hits, watched, watch_at = plain_step(
-            state, inner_state, metrics, watched, watch_at)
+            state, inner_state, metrics, watched, watch_at, first=step == 0)
         tokens = np.asarray(state.last_token)
         for row in range(len(PROMPTS)):
+            waiting = at[row] == 0 and not proposing
             if at[row] == 0:
                 chains[row] = fresh[row]
             expect_reached = np.zeros((max_depth, drafter.num_ranks))
             expect_hits = np.zeros_like(expect_reached)
-            if active[row]:
+            waits += waiting and active[row]
+            if active[row] and not waiting:
                 hit = chains[row][at[row]] >= 0 and chains[row][at[row]] == tokens[row]
                 expect_reached[at[row], 0], expect_hits[at[row], 0] = 1.0, float(hit)
                 hits_seen += hit
@@ -274,6 +278,7 @@ def test_plain_steps_watch_a_lookup_chain_token_by_token(kind):
             np.testing.assert_array_equal(np.asarray(hits[row]), expect_hits)
         assert list(np.asarray(watch_at)) == at
     assert hits_seen and deep_seen  # the test's rows repeat themselves: the chains are followed
+    assert (waits > 0) == (every > 1)
 
 
 def test_a_lookup_drafters_job_starts_with_a_plain_step():

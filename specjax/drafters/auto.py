@@ -163,6 +163,10 @@ class AutoDrafter(Drafter):
     min_gain: float = 0.05  # a draft shape must beat plain decoding's predicted tokens/s by this fraction
     #: how deep a lookup drafter's plain steps observe (None: max(lengths); 1: depth 0 only)
     watch: int | None = None
+    #: a lookup drafter's plain steps propose a fresh chain to watch on every this-many-th
+    #: step only (and at the job's first): the suffix's proposal (its table's catch-up) costs
+    #: ~1 ms of a ~30 ms SmolLM2 step at B = 4 on the CPU
+    watch_every: int = 4
     #: a lookup drafter's job starts with a plain step (its first observations cost nothing)
     plain_first: bool = True
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
@@ -173,6 +177,8 @@ class AutoDrafter(Drafter):
                              f"(Drafter.shape_free_state), got {self.inner and self.inner.name}")
         if self.watch is not None and not 1 <= self.watch <= max(self.lengths, default=0):
             raise ValueError(f"auto's watch must be in 1..{max(self.lengths)}, got {self.watch}")
+        if not self.watch_every >= 1:
+            raise ValueError(f"auto's watch_every must be >= 1, got {self.watch_every}")
         if not self.min_gain >= 0.0:
             raise ValueError(f"auto's min_gain must be >= 0, got {self.min_gain}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
@@ -342,7 +348,8 @@ class AutoDrafter(Drafter):
             if index == 0:  # lengths[0] == 0: plain decoding, watching the lookup's chain
                 state, inner, metrics, reached, hits, watched, watch_at = self._plain_branch(
                     target, params, drafter_params.inner, sampling, criteria, state,
-                    auto_state.inner, metrics, auto_state.watched, auto_state.watch_at)
+                    auto_state.inner, metrics, auto_state.watched, auto_state.watch_at,
+                    first=auto_state.job_seen[0, 0] == 0)
             else:  # a spec step: the next plain step watches a fresh chain
                 one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
                        else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))
@@ -406,7 +413,8 @@ class AutoDrafter(Drafter):
         return state, inner_state, metrics, reached, hits
 
     def _plain_branch(self, target, params, inner_params, sampling, criteria, state: DecodeState,
-                      inner_state, metrics, watched: jax.Array, watch_at: jax.Array):
+                      inner_state, metrics, watched: jax.Array, watch_at: jax.Array,
+                      first: jax.Array | bool = True):
         """A plain step, the drafter kept in step (`update` with the root as the accepted path)
         -> `_branch`'s values and the watched chains (`AutoState.watched`, `.watch_at`).
 
@@ -416,8 +424,11 @@ class AutoDrafter(Drafter):
         they agree, its next plain steps check depths 1, 2, ... of the same chain against the
         tokens they sample (what a spec step of that chain would have accepted, greedy; with
         sampling, accepted with the same probability p(token)); a miss, the chain's end or a
-        spec step ends the watch. Proposing a lookup costs next to nothing, so a job that
-        decodes plain still learns each depth's acceptance, and need not pay spec steps to
+        spec step ends the watch. Fresh chains are proposed on every `watch_every`-th step
+        (`DecodeState.step`) and where `first` `[]` (nothing observed yet), inside a loop of
+        0 or 1 trips (not a `lax.cond`, which would copy the drafter's state); a row waiting for
+        one observes nothing meanwhile. So a job that decodes plain still learns each depth's
+        acceptance at a fraction of the proposal's cost, and need not pay spec steps to
         explore. A drafter that runs a model to propose only `sync`s instead and observes
         nothing (the estimate relaxes to the prior, so a drafter that stopped paying is tried
         again now and then)."""
@@ -425,10 +436,18 @@ class AutoDrafter(Drafter):
         depth, max_depth = self.watch_depth, self.tree.max_depth
         if depth:
             propose_key = split_rows(state.next_keys(), state.tokens.shape[0], 2)[0]
-            draft, inner_state = self.shaped(depth).propose(inner_params, inner_state, state,
-                                                            propose_key, sampling)
-            fresh = jnp.pad(jnp.where(draft.valid, draft.tokens, -1), ((0, 0), (0, max_depth - depth)),
-                            constant_values=-1)
+
+            def propose(carry):
+                draft, inner = self.shaped(depth).propose(inner_params, carry[0], state,
+                                                          propose_key, sampling)
+                fresh = jnp.pad(jnp.where(draft.valid, draft.tokens, -1),
+                                ((0, 0), (0, max_depth - depth)), constant_values=-1)
+                return inner, fresh, jnp.zeros((), bool)
+
+            proposing = jnp.any(active & (watch_at == 0)) & (first | (state.step % self.watch_every == 0))
+            inner_state, fresh, _ = jax.lax.while_loop(
+                lambda carry: carry[2], propose,
+                (inner_state, jnp.full(watched.shape, -1, jnp.int32), proposing))
         drafter = self.shaped(1)
         state, token, out = ar_step_out(target, params, state, sampling, criteria, drafter.hidden_layers)
         if not depth:
@@ -441,8 +460,8 @@ class AutoDrafter(Drafter):
         if not depth:
             reached = hits = jnp.zeros((token.shape[0], max_depth), jnp.float32)
             return state, inner_state, metrics, *self._ranked(reached, hits), watched, watch_at
-        reached, hits, watched, watch_at = watched_observations(active, token, fresh, watched,
-                                                                watch_at, depth)
+        reached, hits, watched, watch_at = watched_observations(active & ((watch_at > 0) | proposing),
+                                                                token, fresh, watched, watch_at, depth)
         return state, inner_state, metrics, *self._ranked(reached, hits), watched, watch_at
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
 from specjax.kernels import attention_cpu, cpu_ffi, qmatmul_cpu
@@ -413,8 +414,14 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     key = cost_key(target, drafter, batch_size, params)
     path = cost_path(key)
     kept, problem = cached_costs(path, key)
-    if kept is not None and (not kept.again or str(path) in PROFILED_HERE):
-        return key["widths"], kept.step_s
+    shape = (len(key["widths"]), drafter.num_shapes)
+    use_kept = kept is not None and (not kept.again or str(path) in PROFILED_HERE)
+    across = spans_processes(params)
+    if process_zeros(np.asarray(use_kept), across):  # every process as process 0 decided: no profile
+        if not across:
+            return key["widths"], kept.step_s
+        local = kept.step_s if kept is not None else np.zeros(shape)  # another host's disk: 0's costs
+        return key["widths"], process_zeros(np.asarray(local, np.float32), across).tolist()
     if problem:
         warnings.warn(f"auto step costs {path}: {problem}; profiling again", stacklevel=2)
     trees = "".join(f", tree {t.name or t.num_nodes}" for t in drafter.trees)
@@ -444,6 +451,10 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     if best is not fresh:
         log(f"auto: kept the earlier profile's costs instead, steadier (+-{100 * kept.noise:.0f} % "
             f"against +-{100 * fresh.noise:.0f} %)")
+    if across:  # each process timed its own steps: all take process 0's
+        agreed = process_zeros(np.asarray([best.noise, best.profiles] + sum(best.step_s, []), np.float32),
+                               across)
+        best = KeptCosts(agreed[2:].reshape(shape).tolist(), float(agreed[0]), int(agreed[1]))
     if best.again:
         log(f"auto: the branches' costs are uncertain to +-{100 * best.noise:.0f} % (their rounds "
             f"scatter: a busy machine?); the next process profiles again (at most {1 + REPROFILES - best.profiles} more "
@@ -453,6 +464,24 @@ def step_costs(target, params, drafter: AutoDrafter, inner_params, batch_size: i
     except OSError as err:
         warnings.warn(f"auto step costs not kept ({err})", stacklevel=2)
     return key["widths"], best.step_s
+
+
+def spans_processes(params) -> bool:
+    """Whether the model's weights are sharded over a mesh of several processes (`--mesh` over
+    a multi-process job): then every program of the job runs across them."""
+    return any(not getattr(leaf, "is_fully_addressable", True) for leaf in jax.tree.leaves(params))
+
+
+def process_zeros(value: np.ndarray, across: bool) -> np.ndarray:
+    """Process 0's `value` on every process where the job's programs run `across` processes
+    (`spans_processes`), else `value`. Such processes must all run the same profile programs
+    (or none) and price the branches alike: one that picked another branch than the rest
+    would wait on them for good (the likely cause of a hang seen once in
+    `tests/test_multiprocess.py`: both processes profiled again, each kept its own clock's
+    costs). Processes that each run their own rows (no mesh across them) decide alone."""
+    if not across:
+        return value
+    return np.asarray(multihost_utils.broadcast_one_to_all(value))
 
 
 def costs_from_profile(profile: dict, batch_size: int, lengths: tuple[int, ...]) -> list[float]:

@@ -591,6 +591,45 @@ def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
     assert len(step_s) == len(widths) and all(len(at) == len(drafter.lengths) for at in step_s)
 
 
+def test_every_process_of_a_job_takes_process_zeros_decision_and_costs(fake_profiler, monkeypatch,
+                                                                        tmp_path):
+    """A job over several processes runs one program across them: every process profiles as
+    process 0 decided (a process whose disk lacks the file does not profile alone) and prices
+    the branches at process 0's costs (each times its own steps), faked here as two processes
+    run one after the other."""
+    single, _ = costs_now()  # one process: its own file, its own costs
+    monkeypatch.setattr(auto_costs, "spans_processes", lambda params: True)
+    sent = []
+    monkeypatch.setattr(auto_costs.multihost_utils, "broadcast_one_to_all",
+                        lambda value: sent.append(np.asarray(value)) or value)
+    zero, _ = costs_now()  # process 0: reads its file
+    for path in tmp_path.rglob("*.json"):
+        path.unlink()  # process 1: another host's disk, no file
+    received = iter(sent)
+    monkeypatch.setattr(auto_costs.multihost_utils, "broadcast_one_to_all", lambda value: next(received))
+    profiles = len(fake_profiler)
+    one, _ = costs_now()
+    assert len(fake_profiler) == profiles  # no profile of its own
+    np.testing.assert_allclose(one[1], zero[1], rtol=1e-6)
+    np.testing.assert_allclose(zero[1], single[1], rtol=1e-6)
+
+    for path in tmp_path.rglob("*.json"):
+        path.unlink()  # now no process has a file: both profile, each on its own clock
+    sent.clear()
+    monkeypatch.setattr(auto_costs.multihost_utils, "broadcast_one_to_all",
+                        lambda value: sent.append(np.asarray(value)) or value)
+    zero, _ = costs_now()
+    for path in tmp_path.rglob("*.json"):
+        path.unlink()
+    slower = auto_costs.profile_step_costs
+    monkeypatch.setattr(auto_costs, "profile_step_costs", lambda *a, **k: [2 * s for s in slower(*a, **k)])
+    received = iter(sent)
+    monkeypatch.setattr(auto_costs.multihost_utils, "broadcast_one_to_all", lambda value: next(received))
+    one, _ = costs_now()
+    assert len(fake_profiler) == profiles + 2 * len(auto_costs.CONTEXTS)  # both profiled
+    np.testing.assert_allclose(one[1], zero[1], rtol=1e-6)  # at process 0's costs
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"key": {}}), "",
                                      "FOREIGN", "OTHER_OPTIONS", "MALFORMED", "NEGATIVE", "BAD_NOISE"])
 def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content):

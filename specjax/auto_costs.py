@@ -104,17 +104,29 @@ def weights_of(params) -> str:
     return (mode or "float") + ("/cpu-kernel" if packed or in_place else "")
 
 
+def mesh_of(params) -> dict[str, int] | None:
+    """The axes of the device mesh the weights are sharded over ({"dp": 2, "tp": 4}), None on
+    one device: a sharded step costs what its mesh makes it cost."""
+    for leaf in jax.tree.leaves(params):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {str(name): int(size) for name, size in mesh.shape.items()}
+    return None
+
+
 def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict:
     """What a cached cost belongs to: the device, the programs' compile options, the model (its
-    config, how its weights are held and the attention that runs), the drafter, the branches,
-    the batch size and the profiled cache widths (JSON-able, compared whole on load). On the CPU
+    config, how its weights are held and over which mesh, and the attention that runs), the
+    drafter, the branches, the batch size and the profiled cache widths (JSON-able, compared
+    whole on load). On the CPU
     backend it names the C++ kernels' sources too: a changed kernel changes the costs."""
     device = jax.devices()[0]
     kernels = {"kernels": cpu_ffi.source_digest((qmatmul_cpu.SOURCE, attention_cpu.SOURCE))} if (
         jax.default_backend() == "cpu") else {}
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
-            "model": repr(target), "weights": weights_of(params), "drafter": repr(drafter.inner),
+            "model": repr(target), "weights": weights_of(params), "mesh": mesh_of(params),
+            "drafter": repr(drafter.inner),
             "attention": [attention_impl(cfg) for cfg in attention_configs(target, drafter)],
             "lengths": list(drafter.lengths),
             "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | kernels | (

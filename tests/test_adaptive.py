@@ -591,6 +591,20 @@ def test_costs_are_profiled_once_then_read_from_the_cache(fake_profiler):
     assert len(step_s) == len(widths) and all(len(at) == len(drafter.lengths) for at in step_s)
 
 
+def test_the_cost_key_names_the_mesh_the_weights_are_sharded_over():
+    """A sharded job's steps cost what its mesh makes them cost: its key is not a one-device
+    job's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    cfg, params = model()
+    drafter, _ = auto("ngram")
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "tp"))
+    sharded = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    assert auto_costs.mesh_of(params) is None
+    assert auto_costs.mesh_of(sharded) == {"dp": 1, "tp": 1}
+    assert auto_costs.cost_key(cfg, drafter, 4, sharded) != auto_costs.cost_key(cfg, drafter, 4, params)
+
+
 def test_every_process_of_a_job_takes_process_zeros_decision_and_costs(fake_profiler, monkeypatch,
                                                                         tmp_path):
     """A job over several processes runs one program across them: every process profiles as

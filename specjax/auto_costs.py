@@ -60,7 +60,8 @@ from specjax.xla_options import current_options, program
 #: tokens cached where a step's cost follows the width alone, `cached_tokens`; on CPU the key
 #: names the kernels' sources, `cost_key`; 6: the caches donated, each branch's median ratio to
 #: the plain step over rounds of calls, was each one's fastest call, `profile_step_costs`; 7: a
-#: lookup drafter's plain branch proposes a chain of `AutoDrafter.watch_depth`, not 1)
+#: lookup drafter's plain branch proposes a chain of `AutoDrafter.watch_depth`, not 1, on every
+#: `watch_every`-th step)
 VERSION = 7
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the

@@ -146,6 +146,11 @@ class AutoState:
     #: last call once its queue is empty): the job ends with its slowest row (`finish_rates`)
     draining: jax.Array
 
+    @property
+    def unobserved(self) -> jax.Array:
+        """`[]` bool: the job has observed nothing yet (its first step: `plain_first`)."""
+        return self.job_seen[0, 0] == 0
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoDrafter(Drafter):
@@ -320,7 +325,7 @@ class AutoDrafter(Drafter):
         rates = jnp.where(state.draining, self.finish_rates(params, state, decode), tokens_per_s)
         index = jnp.argmax(handicapped(rates, self.min_gain)).astype(jnp.int32)
         if self.plain_first and self.watch_depth:  # nothing observed yet: a free look first
-            index = jnp.where(state.job_seen[0, 0] > 0, index, 0)
+            index = jnp.where(state.unobserved, 0, index)
         return index, per_step
 
     def switched_step(self, target, params, drafter_params: AutoParams, state: DecodeState,
@@ -349,7 +354,7 @@ class AutoDrafter(Drafter):
                 state, inner, metrics, reached, hits, watched, watch_at = self._plain_branch(
                     target, params, drafter_params.inner, sampling, criteria, state,
                     auto_state.inner, metrics, auto_state.watched, auto_state.watch_at,
-                    first=auto_state.job_seen[0, 0] == 0)
+                    first=auto_state.unobserved)
             else:  # a spec step: the next plain step watches a fresh chain
                 one = (functools.partial(self._branch, self.lengths[index]) if index < len(self.lengths)
                        else functools.partial(self._tree_branch, self.trees[index - len(self.lengths)]))

@@ -46,6 +46,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -121,6 +122,9 @@ enum class Scale { kNone, kChannel, kBlock };
 
 // One call's operands. Column block j of the chosen layer's kernel starts at w + j * block_stride,
 // and its row k (16 weights) at + k * row_stride.
+struct Digits;
+inline int64_t blocks_per_tile(int64_t rows);
+
 template <typename W>
 struct Problem {
   const float* x;       // [M, K]
@@ -129,6 +133,7 @@ struct Problem {
   float* y;             // [M, N]
   int64_t m, k, n, groups;
   int64_t row_stride, block_stride;
+  const Digits* digits = nullptr;  // int8, integer path: x as digits (`digits_of`)
 };
 
 // Rows [m0, m0 + MT) x the NB column blocks at `block` (columns [n0, n0 + 16 NB)); `row_stride`
@@ -180,6 +185,185 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
       store_f32(p.y + (m0 + r) * p.n + n0 + b * kBlock + 8, acc[r][b][1]);
     }
 }
+
+// ---- int8 weights x integer digits of x (AVX-512 VNNI) ---------------------------------------
+//
+// Where the CPU has AVX-512 VNNI and VBMI, an int8 call with one scale a channel multiplies in
+// integers: each row of x becomes three int8 digits,
+//   x[m, k] ~= s0[m] * (d0 + (d1 + d2 / 254) / 254),  s0 = max|x[m, :]| / 127,
+// (each digit the rounded remainder of the one before, so the error is ~2^-24 of the row's
+// largest |x|, f32's own), and y[m, n] = s[n] * s0[m] * (A0 + (A1 + A2 / 254) / 254) with
+// A_i = sum_k d_i[m, k] * w[k, n] summed EXACTLY in int32 (vpdpbusd: 64 products an
+// instruction, against 16 for a float FMA after two converts). The sums do not depend on their
+// order, so a row's result is the same whatever the rows, the tiles or the threads (batch
+// invariance) and on any CPU with these instructions. One digit plane of a row: K bytes; the
+// weights are read as stored (4 rows of a block, 64 bytes, permuted to 16 x 4 in a register).
+// A row holding a NaN or an infinity yields NaN in every output (never a finite number); the
+// other rows are untouched.
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define SPECJAX_INT8_DIGITS 1
+#endif
+
+constexpr int kDigits = 3;
+constexpr float kDigitBase = 254.0f;
+constexpr int64_t kMaxDigitsK = 65536;  // int32 sums: K / 4 x 4 x 255 x 127 < 2^31
+
+struct Digits {
+  int64_t m = 0, k = 0;
+  std::vector<int8_t> d;     // [3, M, K]
+  std::vector<int32_t> sum;  // [3, M]: each plane's row sums (vpdpbusd reads w + 128)
+  std::vector<float> s0;     // [M]
+};
+
+inline float digit(float v) { return std::max(-127.0f, std::min(127.0f, std::nearbyint(v))); }
+
+// x [M, K] as digits (a row that is not finite: zero digits, s0 NaN). Each
+// element's digits come from the same operations in any build (16 at a time where AVX-512 is,
+// one by one for the last K mod 16), so they depend on the element and its row's maximum only.
+std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
+  auto out = std::make_shared<Digits>();
+  out->m = m, out->k = k;
+  out->d.resize(kDigits * m * k);
+  out->sum.assign(kDigits * m, 0);
+  out->s0.resize(m);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    float amax = 0.0f, probe = 0.0f;  // probe: NaN iff the row holds a NaN or an infinity
+    for (int64_t i = 0; i < k; ++i) {
+      amax = std::max(amax, std::fabs(row[i]));
+      probe += row[i] * 0.0f;
+    }
+    // A row that is not finite: digits 0 and s0 NaN, so each of its outputs is NaN (as the
+    // float path gives), and the other rows are untouched.
+    const bool finite = probe == 0.0f;
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    out->s0[r] = finite ? amax / 127.0f : std::nanf("");
+    int8_t* plane[kDigits];
+    for (int j = 0; j < kDigits; ++j) plane[j] = out->d.data() + (j * m + r) * k;
+    int64_t i = 0;
+#if defined(SPECJAX_INT8_DIGITS)
+    __m512i sums[kDigits];
+    for (int j = 0; j < kDigits; ++j) sums[j] = _mm512_setzero_si512();
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (; i + 16 <= k; i += 16) {
+      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inv));
+      for (int j = 0; j < kDigits; ++j) {
+        const __m512 d = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(
+            v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+        const __m512i di = _mm512_cvtps_epi32(d);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(plane[j] + i), _mm512_cvtsepi32_epi8(di));
+        sums[j] = _mm512_add_epi32(sums[j], di);
+        v = _mm512_mul_ps(_mm512_sub_ps(v, d), _mm512_set1_ps(kDigitBase));
+      }
+    }
+    for (int j = 0; j < kDigits; ++j) out->sum[j * m + r] = _mm512_reduce_add_epi32(sums[j]);
+#endif
+    for (; i < k; ++i) {
+      float v = row[i] * inv;
+      for (int j = 0; j < kDigits; ++j) {
+        const float d = digit(v);
+        plane[j][i] = int8_t(d);
+        out->sum[j * m + r] += int32_t(d);
+        v = (v - d) * kDigitBase;
+      }
+    }
+  }
+  return out;
+}
+
+#if defined(SPECJAX_INT8_DIGITS)
+// Rows [m0, m0 + MT) x the NB column blocks from block jb (w: block jb's row 0).
+template <int MT, int NB>
+void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
+  const Digits& dg = *p.digits;
+  alignas(64) static const int8_t kPerm[64] = {  // out byte 4 j + i <- row i, column j
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
+      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
+      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i perm = _mm512_load_si512(kPerm);
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i acc[MT][NB][kDigits];
+  for (int r = 0; r < MT; ++r)
+    for (int b = 0; b < NB; ++b)
+      for (int i = 0; i < kDigits; ++i) acc[r][b][i] = _mm512_setzero_si512();
+  const int8_t* w = p.w + jb * p.block_stride;
+  const int8_t* planes[MT][kDigits];
+  for (int r = 0; r < MT; ++r)
+    for (int i = 0; i < kDigits; ++i) planes[r][i] = dg.d.data() + (i * dg.m + m0 + r) * dg.k;
+  for (int64_t k = 0; k < p.k; k += 4) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = _mm512_xor_si512(
+          _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + b * p.block_stride + k * kBlock)), flip);
+    for (int r = 0; r < MT; ++r)
+      for (int i = 0; i < kDigits; ++i) {
+        int32_t four;
+        std::memcpy(&four, planes[r][i] + k, sizeof four);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b], xb);
+      }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const int64_t row = m0 + r;
+    const double s0 = dg.s0[row];
+    for (int b = 0; b < NB; ++b) {
+      alignas(64) int32_t a[kDigits][kBlock];
+      for (int i = 0; i < kDigits; ++i) _mm512_store_si512(a[i], acc[r][b][i]);
+      const int64_t n0 = (jb + b) * kBlock;
+      for (int j = 0; j < kBlock; ++j) {
+        double v[kDigits];
+        for (int i = 0; i < kDigits; ++i) v[i] = double(a[i][j] - 128 * dg.sum[i * dg.m + row]);
+        p.y[row * p.n + n0 + j] =
+            float(double(p.s[n0 + j]) * s0 * (v[0] + (v[1] + v[2] / kDigitBase) / kDigitBase));
+      }
+    }
+  }
+}
+
+template <int MT>
+void digits_tile_blocks(const Problem<int8_t>& p, int64_t jb, int64_t m0, int64_t nb) {
+  if constexpr (MT == 1) {
+    switch (nb) {
+      case 4: return digits_tile<1, 4>(p, jb, m0);
+      case 3: return digits_tile<1, 3>(p, jb, m0);
+      case 2: return digits_tile<1, 2>(p, jb, m0);
+      default: return digits_tile<1, 1>(p, jb, m0);
+    }
+  } else {
+    if (nb == 2) return digits_tile<MT, 2>(p, jb, m0);
+    return digits_tile<MT, 1>(p, jb, m0);
+  }
+}
+
+// Column blocks [lo, hi) of an int8 call on the integer path, every row (as `blocks`).
+void digits_blocks(const Problem<int8_t>& p, int64_t lo, int64_t hi) {
+  const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m0 = p.m * t / tiles, rows = p.m * (t + 1) / tiles - m0;
+    const int64_t step = blocks_per_tile(rows);
+    for (int64_t jb = lo; jb < hi; jb += step) {
+      const int64_t nb = std::min(step, hi - jb);
+      switch (rows) {
+        case 1: digits_tile_blocks<1>(p, jb, m0, nb); break;
+        case 2: digits_tile_blocks<2>(p, jb, m0, nb); break;
+        case 3: digits_tile_blocks<3>(p, jb, m0, nb); break;
+        case 4: digits_tile<4, 1>(p, jb, m0); break;
+        case 5: digits_tile<5, 1>(p, jb, m0); break;
+        default: digits_tile<6, 1>(p, jb, m0); break;
+      }
+    }
+  }
+}
+#endif
+
+// Whether the int8 calls of this build multiply in integer digits (`digits_of`).
+constexpr bool kInt8Digits =
+#if defined(SPECJAX_INT8_DIGITS)
+    true;
+#else
+    false;
+#endif
 
 // A tile read where the call's layout holds the blocks (Stripe: the copy `stripe_of` made).
 template <typename W>
@@ -240,6 +424,10 @@ constexpr int64_t kStripeBlocks = 4;  // column blocks copied to a stripe at onc
 // 256 contiguous bytes of each row: the same weights in the same order, so the same sums.
 template <typename W>
 void blocks(const Problem<W>& p, int64_t lo, int64_t hi) {
+#if defined(SPECJAX_INT8_DIGITS)
+  if constexpr (std::is_same_v<W, int8_t>)
+    if (p.digits != nullptr) return digits_blocks(p, lo, hi);
+#endif
   const int64_t tiles = (p.m + kMaxTile - 1) / kMaxTile;
   const bool restripe = p.row_stride != kBlock && (tiles > 1 || blocks_per_tile(p.m) == 1);
   thread_local std::vector<W> scratch;
@@ -354,6 +542,7 @@ struct Work {
   std::vector<int64_t> first;  // problems[i]'s blocks are [first[i], first[i + 1])
   int64_t nblocks = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
+  std::shared_ptr<const void> keep;  // what the problems point into (the int8 digits)
 };
 
 template <typename P>
@@ -379,8 +568,10 @@ int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 // Runs the call: the column blocks of all its kernels shared out over the calling thread and
 // XLA's pool (one hand-off for the group: kernels of one input, e.g. q / k / v, go together).
 template <typename P>
-ffi::Error run(ffi::ThreadPool& pool, std::vector<P> problems) {
+ffi::Error run(ffi::ThreadPool& pool, std::vector<P> problems,
+               std::shared_ptr<const void> keep = nullptr) {
   auto work = std::make_shared<Work<P>>();
+  work->keep = std::move(keep);
   work->first.push_back(0);
   for (const auto& p : problems) work->first.push_back(work->first.back() + units(p));
   work->problems = std::move(problems);
@@ -495,7 +686,16 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
-  return run(pool, std::move(problems));
+  // The integer path for each kernel with one scale a channel (block scales: the float path).
+  std::shared_ptr<Digits> digits;
+  const auto& first = problems[0];
+  if (kInt8Digits && first.m > 0 && first.k % 4 == 0 && first.k <= kMaxDigitsK &&
+      std::any_of(problems.begin(), problems.end(), [](const auto& p) { return p.groups == 1; })) {
+    digits = digits_of(x.typed_data(), first.m, first.k);
+    for (auto& p : problems)
+      if (p.groups == 1) p.digits = digits.get();
+  }
+  return run(pool, std::move(problems), std::move(digits));
 }
 
 // One rows-layout kernel: w [L, N, K] as stored (K a multiple of 8).

@@ -3,7 +3,9 @@
 - packed layout: pack / unpack round trip; the dequantized stack equals qwix's dequantize;
 - the kernel equals the reference on random shapes (rows 0..13, ragged row tiles, per-channel
   and block scales, every layer of a stack), and a row's result does not depend on the other
-  rows (bit for bit: each output is one sum in order);
+  rows (bit for bit: each output is one sum in order, or exact integer sums of x's digits on
+  AVX-512 VNNI); a row with a NaN or an infinity gives no finite output and leaves the others
+  alone; a wide row of mixed magnitudes keeps f32 precision;
 - a PackedKernel multiplies like the QArray it came from (`qwix.dot_general`);
 - it composes: jit, vmap over rows and over the layer index, grad in x and scale;
 - bad input is an error, never a wrong answer (a layer index out of range, shapes that do not
@@ -96,6 +98,29 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(mode):
                                       together[:m])
     np.testing.assert_array_equal(jax.jit(qmatmul_cpu.qmatmul)(x[7:8], packed, q.scale, 1),
                                   together[7:8])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_row_that_is_not_finite_gives_no_finite_output_and_leaves_the_others_alone(bad):
+    """Both int8 paths: the integer digits (AVX-512 VNNI builds) and the float FMAs."""
+    q = random_quantized(2, 2, 96, 64, "int8")
+    packed = qmatmul_cpu.pack(q.qvalue)
+    x = rows(2, (5, 96))
+    clean = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 0)
+    got = np.asarray(jax.jit(qmatmul_cpu.qmatmul)(x.at[3, 17].set(bad), packed, q.scale, 0))
+    assert not np.isfinite(got[3]).any()
+    np.testing.assert_array_equal(np.delete(got, 3, 0), np.delete(np.asarray(clean), 3, 0))
+
+
+def test_wide_rows_of_mixed_magnitudes_keep_f32_precision():
+    """K = 1536 (SmolLM2's down projection), values from 1e-4 to 1e2 in one row: the integer
+    path's digits (~2^-24 of the row's largest |x|) keep the product as close as f32 FMAs."""
+    q = random_quantized(3, 1, 1536, 48, "int8")
+    packed = qmatmul_cpu.pack(q.qvalue)
+    x = rows(3, (4, 1536)) * jnp.logspace(-4, 2, 1536)[None, :]
+    want = np.asarray(x, np.float64) @ np.asarray(qwix.dequantize(q)[0], np.float64)
+    got = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -139,6 +140,7 @@ struct Problem {
   int64_t m, k, n, groups;
   int64_t row_stride, block_stride;
   const Digits* digits = nullptr;  // int8, integer path: x as digits (`digits_of`)
+  const int32_t* digit_sums = nullptr;  // and their sums over this kernel's scale blocks
 };
 
 // Rows [m0, m0 + MT) x the NB column blocks at `block` (columns [n0, n0 + 16 NB)); `row_stride`
@@ -198,8 +200,8 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
 
 // ---- int8 weights x integer digits of x (AVX-512 VNNI) ---------------------------------------
 //
-// Where the CPU has AVX-512 VNNI and VBMI, an int8 call with one scale a channel multiplies in
-// integers: each row of x becomes three int8 digits,
+// Where the CPU has AVX-512 VNNI and VBMI, an int8 call multiplies in integers: each row of x
+// becomes three int8 digits,
 //   x[m, k] ~= s0[m] * (d0 + (d1 + d2 / 254) / 254),  s0 = max|x[m, :]| / 127,
 // (each digit the rounded remainder of the one before, so the error is ~2^-24 of the row's
 // largest |x|, f32's own), and y[m, n] = s[n] * s0[m] * (A0 + (A1 + A2 / 254) / 254) with
@@ -208,6 +210,8 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
 // order, so a row's result is the same whatever the rows, the tiles or the threads (batch
 // invariance) and on any CPU with these instructions. One digit plane of a row: K bytes; the
 // weights are read as stored (4 rows of a block, 64 bytes, permuted to 16 x 4 in a register).
+// With a scale a block of K / G inputs (int4: 32), each block's sums are exact integers too,
+// combined exactly in double and scaled block by block in order (`digits_tile_grouped`).
 // A row holding a NaN or an infinity yields NaN in every output (never a finite number); the
 // other rows are untouched.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -220,9 +224,25 @@ constexpr int64_t kMaxDigitsK = 65536;  // int32 sums: K / 4 x 4 x 255 x 127 < 2
 
 struct Digits {
   int64_t m = 0, k = 0;
-  std::vector<int8_t> d;     // [3, M, K]
-  std::vector<int32_t> sum;  // [3, M]: each plane's row sums (vpdpbusd reads w + 128)
-  std::vector<float> s0;     // [M]
+  std::vector<int8_t> d;  // [3, M, K]
+  std::vector<float> s0;  // [M]
+  // Per count of scale blocks G (1: a scale a channel): each plane's digit sums [3, M, G] over
+  // each row's blocks of K / G inputs (vpdpbusd reads w + 128: the sums take the 128 back out).
+  std::deque<std::pair<int64_t, std::vector<int32_t>>> sums;
+
+  const int32_t* sums_for(int64_t groups) {
+    for (const auto& [g, values] : sums)
+      if (g == groups) return values.data();
+    std::vector<int32_t> values(kDigits * m * groups);
+    const int64_t per_group = k / groups;
+    for (int64_t plane = 0; plane < kDigits * m; ++plane)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t total = 0;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) total += d[plane * k + e];
+        values[plane * groups + g] = total;
+      }
+    return sums.emplace_back(groups, std::move(values)).second.data();
+  }
 };
 
 inline float digit(float v) { return std::max(-127.0f, std::min(127.0f, std::nearbyint(v))); }
@@ -234,7 +254,6 @@ std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
   auto out = std::make_shared<Digits>();
   out->m = m, out->k = k;
   out->d.resize(kDigits * m * k);
-  out->sum.assign(kDigits * m, 0);
   out->s0.resize(m);
   for (int64_t r = 0; r < m; ++r) {
     const float* row = x + r * k;
@@ -265,8 +284,6 @@ std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
     for (int j = 0; j < kDigits; ++j) plane[j] = out->d.data() + (j * m + r) * k;
     i = 0;
 #if defined(SPECJAX_INT8_DIGITS)
-    __m512i sums[kDigits];
-    for (int j = 0; j < kDigits; ++j) sums[j] = _mm512_setzero_si512();
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (; i + 16 <= k; i += 16) {
       __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inv));
@@ -275,18 +292,15 @@ std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
             v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
         const __m512i di = _mm512_cvtps_epi32(d);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(plane[j] + i), _mm512_cvtsepi32_epi8(di));
-        sums[j] = _mm512_add_epi32(sums[j], di);
         v = _mm512_mul_ps(_mm512_sub_ps(v, d), _mm512_set1_ps(kDigitBase));
       }
     }
-    for (int j = 0; j < kDigits; ++j) out->sum[j * m + r] = _mm512_reduce_add_epi32(sums[j]);
 #endif
     for (; i < k; ++i) {
       float v = row[i] * inv;
       for (int j = 0; j < kDigits; ++j) {
         const float d = digit(v);
         plane[j][i] = int8_t(d);
-        out->sum[j * m + r] += int32_t(d);
         v = (v - d) * kDigitBase;
       }
     }
@@ -337,7 +351,7 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
     const int64_t row = m0 + r;
     const __m512d s0 = _mm512_set1_pd(dg.s0[row]);
     __m512i shift[kDigits];
-    for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * dg.sum[i * dg.m + row]);
+    for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * p.digit_sums[i * dg.m + row]);
     for (int b = 0; b < NB; ++b) {
       const int64_t n0 = (jb + b) * kBlock;
       __m512i exact[kDigits];
@@ -356,18 +370,94 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   }
 }
 
+// The same with a scale a block of K / G inputs (int4: 32): each block's three sums are exact
+// integers, combined in f32 (A0 + A1 / 254 + A2 / 254^2: A0 is exact, |A0| <= 32 x 127 x 8),
+// scaled and summed over the blocks in order (an FMA a block: f32's precision, as the float
+// path's FMA chain over k); y = s0 * that.
+template <int MT, int NB>
+void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
+  const Digits& dg = *p.digits;
+  alignas(64) static const int8_t kPerm[64] = {  // as digits_tile
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
+      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
+      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i perm = _mm512_load_si512(kPerm);
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const __m512 inv1 = _mm512_set1_ps(1.0f / kDigitBase), inv2 = _mm512_set1_ps(1.0f / (kDigitBase * kDigitBase));
+  const int64_t per_group = p.k / p.groups;
+  __m512 total[MT][NB];
+  for (int r = 0; r < MT; ++r)
+    for (int b = 0; b < NB; ++b) total[r][b] = _mm512_setzero_ps();
+  const int8_t* w = p.w + jb * p.block_stride;
+  const int8_t* planes[MT][kDigits];
+  for (int r = 0; r < MT; ++r)
+    for (int i = 0; i < kDigits; ++i) planes[r][i] = dg.d.data() + (i * dg.m + m0 + r) * dg.k;
+  // The scales of a block are one line a group, N floats apart: fetched kScaleAhead groups ahead.
+  constexpr int64_t kScaleAhead = 4;
+  for (int64_t g = 0; g < std::min(kScaleAhead, p.groups); ++g)
+    for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(p.s + g * p.n + (jb + b) * kBlock), _MM_HINT_T0);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    if (g + kScaleAhead < p.groups)
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(p.s + (g + kScaleAhead) * p.n + (jb + b) * kBlock), _MM_HINT_T0);
+    __m512i acc[MT][NB][kDigits];
+    for (int r = 0; r < MT; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int i = 0; i < kDigits; ++i) acc[r][b][i] = _mm512_setzero_si512();
+    for (int64_t k = g * per_group; k < (g + 1) * per_group; k += 4) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_stride + (k + 4 * kPrefetchLines) * kBlock),
+                     _MM_HINT_T0);
+      for (int b = 0; b < NB; ++b)
+        wv[b] = _mm512_xor_si512(
+            _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + b * p.block_stride + k * kBlock)), flip);
+      for (int r = 0; r < MT; ++r)
+        for (int i = 0; i < kDigits; ++i) {
+          int32_t four;
+          std::memcpy(&four, planes[r][i] + k, sizeof four);
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b], xb);
+        }
+    }
+    for (int r = 0; r < MT; ++r) {
+      __m512i shift[kDigits];
+      for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * p.digit_sums[(i * dg.m + m0 + r) * p.groups + g]);
+      for (int b = 0; b < NB; ++b) {
+        __m512 v[kDigits];
+        for (int i = 0; i < kDigits; ++i) v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b][i], shift[i]));
+        const __m512 block = _mm512_fmadd_ps(v[2], inv2, _mm512_fmadd_ps(v[1], inv1, v[0]));
+        total[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(p.s + g * p.n + (jb + b) * kBlock), block, total[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m512 s0 = _mm512_set1_ps(dg.s0[m0 + r]);
+    for (int b = 0; b < NB; ++b)
+      _mm512_storeu_ps(p.y + (m0 + r) * p.n + (jb + b) * kBlock, _mm512_mul_ps(total[r][b], s0));
+  }
+}
+
+// Rows [m0, m0 + MT) x NB column blocks on the integer path, one scale a channel or a block.
+template <int MT, int NB>
+void digits_tile_any(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
+  if (p.groups == 1) return digits_tile<MT, NB>(p, jb, m0);
+  return digits_tile_grouped<MT, NB>(p, jb, m0);
+}
+
 template <int MT>
 void digits_tile_blocks(const Problem<int8_t>& p, int64_t jb, int64_t m0, int64_t nb) {
   if constexpr (MT == 1) {
     switch (nb) {
-      case 4: return digits_tile<1, 4>(p, jb, m0);
-      case 3: return digits_tile<1, 3>(p, jb, m0);
-      case 2: return digits_tile<1, 2>(p, jb, m0);
-      default: return digits_tile<1, 1>(p, jb, m0);
+      case 4: return digits_tile_any<1, 4>(p, jb, m0);
+      case 3: return digits_tile_any<1, 3>(p, jb, m0);
+      case 2: return digits_tile_any<1, 2>(p, jb, m0);
+      default: return digits_tile_any<1, 1>(p, jb, m0);
     }
   } else {
-    if (nb == 2) return digits_tile<MT, 2>(p, jb, m0);
-    return digits_tile<MT, 1>(p, jb, m0);
+    if (nb == 2) return digits_tile_any<MT, 2>(p, jb, m0);
+    return digits_tile_any<MT, 1>(p, jb, m0);
   }
 }
 
@@ -383,9 +473,9 @@ void digits_blocks(const Problem<int8_t>& p, int64_t lo, int64_t hi) {
         case 1: digits_tile_blocks<1>(p, jb, m0, nb); break;
         case 2: digits_tile_blocks<2>(p, jb, m0, nb); break;
         case 3: digits_tile_blocks<3>(p, jb, m0, nb); break;
-        case 4: digits_tile<4, 1>(p, jb, m0); break;
-        case 5: digits_tile<5, 1>(p, jb, m0); break;
-        default: digits_tile<6, 1>(p, jb, m0); break;
+        case 4: digits_tile_any<4, 1>(p, jb, m0); break;
+        case 5: digits_tile_any<5, 1>(p, jb, m0); break;
+        default: digits_tile_any<6, 1>(p, jb, m0); break;
       }
     }
   }
@@ -721,14 +811,16 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
-  // The integer path for each kernel with one scale a channel (block scales: the float path).
+  // The integer path for each kernel whose scale blocks hold a multiple of 4 inputs (one
+  // scale a channel; int4's blocks of 32); x's digits made once for the group.
   std::shared_ptr<Digits> digits;
-  const auto& first = problems[0];
-  if (kInt8Digits && first.m > 0 && first.k % 4 == 0 && first.k <= kMaxDigitsK &&
-      std::any_of(problems.begin(), problems.end(), [](const auto& p) { return p.groups == 1; })) {
-    digits = digits_of(x.typed_data(), first.m, first.k);
-    for (auto& p : problems)
-      if (p.groups == 1) p.digits = digits.get();
+  for (auto& p : problems) {
+    if (!kInt8Digits || p.m == 0 || p.k > kMaxDigitsK || p.groups <= 0 || p.k % p.groups != 0 ||
+        (p.k / p.groups) % 4 != 0)
+      continue;
+    if (!digits) digits = digits_of(x.typed_data(), p.m, p.k);
+    p.digits = digits.get();
+    p.digit_sums = digits->sums_for(p.groups);
   }
   return run(pool, std::move(problems), std::move(digits));
 }

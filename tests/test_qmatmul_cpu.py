@@ -101,9 +101,11 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(mode):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_row_that_is_not_finite_gives_no_finite_output_and_leaves_the_others_alone(bad):
-    """Both int8 paths: the integer digits (AVX-512 VNNI builds) and the float FMAs."""
-    q = random_quantized(2, 2, 96, 64, "int8")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_row_that_is_not_finite_gives_no_finite_output_and_leaves_the_others_alone(bad, mode):
+    """Every path: the integer digits (AVX-512 VNNI builds; a scale a channel or a block) and
+    the float FMAs."""
+    q = random_quantized(2, 2, 96, 64, mode)
     packed = qmatmul_cpu.pack(q.qvalue)
     x = rows(2, (5, 96))
     clean = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 0)
@@ -112,10 +114,11 @@ def test_a_row_that_is_not_finite_gives_no_finite_output_and_leaves_the_others_a
     np.testing.assert_array_equal(np.delete(got, 3, 0), np.delete(np.asarray(clean), 3, 0))
 
 
-def test_wide_rows_of_mixed_magnitudes_keep_f32_precision():
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_wide_rows_of_mixed_magnitudes_keep_f32_precision(mode):
     """K = 1536 (SmolLM2's down projection), values from 1e-4 to 1e2 in one row: the integer
     path's digits (~2^-24 of the row's largest |x|) keep the product as close as f32 FMAs."""
-    q = random_quantized(3, 1, 1536, 48, "int8")
+    q = random_quantized(3, 1, 1536, 48, mode)
     packed = qmatmul_cpu.pack(q.qvalue)
     x = rows(3, (4, 1536)) * jnp.logspace(-4, 2, 1536)[None, :]
     want = np.asarray(x, np.float64) @ np.asarray(qwix.dequantize(q)[0], np.float64)

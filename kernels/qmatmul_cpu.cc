@@ -309,10 +309,12 @@ std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
 }
 
 #if defined(SPECJAX_INT8_DIGITS)
-// Rows [m0, m0 + MT) x the NB column blocks from block jb (w: block jb's row 0).
+// acc[r][b][i] = sum over k in [k0, k1) of d_i[m0 + r, k] * (w[k, column] + 128) for the 16
+// columns of block jb + b, exact in int32. The weights are read as stored (4 rows of a block,
+// 64 bytes, permuted to 16 columns x 4 rows: vpdpbusd's lanes) and fetched kPrefetchLines ahead.
 template <int MT, int NB>
-void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
-  const Digits& dg = *p.digits;
+inline void digit_products(const Problem<int8_t>& p, int64_t jb, int64_t m0, int64_t k0, int64_t k1,
+                           __m512i (&acc)[MT][NB][kDigits]) {
   alignas(64) static const int8_t kPerm[64] = {  // out byte 4 j + i <- row i, column j
       0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
       4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
@@ -320,7 +322,7 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
       12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
   const __m512i perm = _mm512_load_si512(kPerm);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512i acc[MT][NB][kDigits];
+  const Digits& dg = *p.digits;
   for (int r = 0; r < MT; ++r)
     for (int b = 0; b < NB; ++b)
       for (int i = 0; i < kDigits; ++i) acc[r][b][i] = _mm512_setzero_si512();
@@ -328,9 +330,9 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   const int8_t* planes[MT][kDigits];
   for (int r = 0; r < MT; ++r)
     for (int i = 0; i < kDigits; ++i) planes[r][i] = dg.d.data() + (i * dg.m + m0 + r) * dg.k;
-  for (int64_t k = 0; k < p.k; k += 4) {
+  for (int64_t k = k0; k < k1; k += 4) {
     __m512i wv[NB];
-    for (int b = 0; b < NB; ++b)  // each block's stream, kPrefetchLines ahead
+    for (int b = 0; b < NB; ++b)
       _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_stride + (k + 4 * kPrefetchLines) * kBlock),
                    _MM_HINT_T0);
     for (int b = 0; b < NB; ++b)
@@ -344,6 +346,14 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
         for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b], xb);
       }
   }
+}
+
+// Rows [m0, m0 + MT) x the NB column blocks from block jb (w: block jb's row 0).
+template <int MT, int NB>
+void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
+  const Digits& dg = *p.digits;
+  __m512i acc[MT][NB][kDigits];
+  digit_products<MT, NB>(p, jb, m0, 0, p.k, acc);
   // y = s * s0 * (A0 + (A1 + A2 / 254) / 254) in double, 8 columns a vector, where
   // A_i = acc_i - 128 sum_k d_i (the weights were read as w + 128).
   const __m512d base = _mm512_set1_pd(kDigitBase);
@@ -377,22 +387,11 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
 template <int MT, int NB>
 void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   const Digits& dg = *p.digits;
-  alignas(64) static const int8_t kPerm[64] = {  // as digits_tile
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
-      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
-      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-  const __m512i perm = _mm512_load_si512(kPerm);
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
   const __m512 inv1 = _mm512_set1_ps(1.0f / kDigitBase), inv2 = _mm512_set1_ps(1.0f / (kDigitBase * kDigitBase));
   const int64_t per_group = p.k / p.groups;
   __m512 total[MT][NB];
   for (int r = 0; r < MT; ++r)
     for (int b = 0; b < NB; ++b) total[r][b] = _mm512_setzero_ps();
-  const int8_t* w = p.w + jb * p.block_stride;
-  const int8_t* planes[MT][kDigits];
-  for (int r = 0; r < MT; ++r)
-    for (int i = 0; i < kDigits; ++i) planes[r][i] = dg.d.data() + (i * dg.m + m0 + r) * dg.k;
   // The scales of a block are one line a group, N floats apart: fetched kScaleAhead groups ahead.
   constexpr int64_t kScaleAhead = 4;
   for (int64_t g = 0; g < std::min(kScaleAhead, p.groups); ++g)
@@ -402,25 +401,7 @@ void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
       for (int b = 0; b < NB; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(p.s + (g + kScaleAhead) * p.n + (jb + b) * kBlock), _MM_HINT_T0);
     __m512i acc[MT][NB][kDigits];
-    for (int r = 0; r < MT; ++r)
-      for (int b = 0; b < NB; ++b)
-        for (int i = 0; i < kDigits; ++i) acc[r][b][i] = _mm512_setzero_si512();
-    for (int64_t k = g * per_group; k < (g + 1) * per_group; k += 4) {
-      __m512i wv[NB];
-      for (int b = 0; b < NB; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_stride + (k + 4 * kPrefetchLines) * kBlock),
-                     _MM_HINT_T0);
-      for (int b = 0; b < NB; ++b)
-        wv[b] = _mm512_xor_si512(
-            _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + b * p.block_stride + k * kBlock)), flip);
-      for (int r = 0; r < MT; ++r)
-        for (int i = 0; i < kDigits; ++i) {
-          int32_t four;
-          std::memcpy(&four, planes[r][i] + k, sizeof four);
-          const __m512i xb = _mm512_set1_epi32(four);
-          for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b], xb);
-        }
-    }
+    digit_products<MT, NB>(p, jb, m0, g * per_group, (g + 1) * per_group, acc);
     for (int r = 0; r < MT; ++r) {
       __m512i shift[kDigits];
       for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * p.digit_sums[(i * dg.m + m0 + r) * p.groups + g]);

@@ -148,7 +148,7 @@ thread_local std::vector<float> scratch_keys;
 // they are fetched kAheadRows rows ahead into L2, and the chunk's values ([n, Dh], contiguous,
 // read after the scores) are fetched into L2 along the way, a share each key row. From DRAM
 // (SmolLM2's B = 1 decode, 752 keys cached) that reads ~14.7 GB/s against ~13.5 at 4 rows
-// ahead into L1 without the values (one-off microbenchmark, 2026-12-07).
+// ahead into L1 without the values (benchmarks/cpu_kernel_stream.py attention, 2026-12-07).
 constexpr int64_t kAheadRows = 16;
 
 void chunk_scores(const Shapes& sh, const float* rows, const float* k, const float* v, int64_t s0,

@@ -69,8 +69,8 @@ namespace {
 constexpr int64_t kBlock = 16;  // columns per packed block (two 8-float vectors)
 // Cache lines fetched ahead in each packed block's stream (both paths): the hardware
 // prefetchers stop at each 4 KB page of a block (SmolLM2's int8 blocks: 9 KB); 16 lines (1 KB)
-// ahead read its int8 layers from DRAM at ~23 GB/s against ~20 without (one-off
-// microbenchmark of the integer path, 2026-12-07).
+// ahead read its int8 layers from DRAM at ~23 GB/s against ~20 without (integer path,
+// benchmarks/cpu_kernel_stream.py matmul int8, 2026-12-07).
 constexpr int64_t kPrefetchLines = 16;
 constexpr int kMaxTile = 6;     // rows of x per pass: 2 x 6 accumulators + 2 weights + 1 x
 
@@ -126,11 +126,11 @@ inline void store_f32(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
 enum class Scale { kNone, kChannel, kBlock };
 
-// One call's operands. Column block j of the chosen layer's kernel starts at w + j * block_stride,
-// and its row k (16 weights) at + k * row_stride.
-struct Digits;
+struct Digits;  // x as integer digits (the int8 integer path, below)
 inline int64_t blocks_per_tile(int64_t rows);
 
+// One call's operands. Column block j of the chosen layer's kernel starts at w + j * block_stride,
+// and its row k (16 weights) at + k * row_stride.
 template <typename W>
 struct Problem {
   const float* x;       // [M, K]
@@ -211,7 +211,7 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
 // invariance) and on any CPU with these instructions. One digit plane of a row: K bytes; the
 // weights are read as stored (4 rows of a block, 64 bytes, permuted to 16 x 4 in a register).
 // With a scale a block of K / G inputs (int4: 32), each block's sums are exact integers too,
-// combined exactly in double and scaled block by block in order (`digits_tile_grouped`).
+// combined in f32 and scaled block by block in order (`digits_tile_grouped`).
 // A row holding a NaN or an infinity yields NaN in every output (never a finite number); the
 // other rows are untouched.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -381,7 +381,8 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
 }
 
 // The same with a scale a block of K / G inputs (int4: 32): each block's three sums are exact
-// integers, combined in f32 (A0 + A1 / 254 + A2 / 254^2: A0 is exact, |A0| <= 32 x 127 x 8),
+// integers, combined in f32 (A0 + A1 / 254 + A2 / 254^2: A0 is exact while |A0| < 2^24, as
+// for int4's blocks of 32, |A0| <= 32 x 127 x 8; f32-rounded beyond),
 // scaled and summed over the blocks in order (an FMA a block: f32's precision, as the float
 // path's FMA chain over k); y = s0 * that.
 template <int MT, int NB>

@@ -69,8 +69,8 @@ def _timed(fn) -> float:
 
 
 def stored_bytes(params) -> int:
-    """Bytes a step reads of `params` as stored (int4 at one byte a value where the backend
-    unpacks it: XLA CPU does). With an int8 LM head (`quant.HEAD`) the float head it replaces
+    """Bytes a step reads of `params` as stored (int4: two values a byte in the CPU kernel's
+    layout, one a byte in XLA CPU's QArrays, `int4_xla`). With an int8 LM head (`quant.HEAD`) the float head it replaces
     is left out: `lm_head`, or a tied embedding (the lookups read B of its rows)."""
     inner = params["params"]
     if HEAD in inner:

@@ -1,12 +1,13 @@
 """The CPU kernels reading from DRAM: SmolLM2-shaped calls, 30 layers, over copies of the
 weights / KV cache cycled so that they do not stay in the (large, shared) L3.
 
-    python benchmarks/cpu_kernel_stream.py matmul int8   # or int4: qkv, o, gate/up, down
+    python benchmarks/cpu_kernel_stream.py matmul int8   # or int4 (two a byte), int4-bytes (one)
     python benchmarks/cpu_kernel_stream.py attention     # B = 1, 3 KV heads x 64
 
 matmul: ms per 30 layers of the four int8 / int4 layer matmuls (576 x 960, 576 x 576,
-576 x 3072, 1536 x 576) at M = 1, 2, 3, 5 rows, and GB/s of weights read (min of 5 passes over
-the copies). attention: us per `cache_attention` call at 752 keys (T = 1 and 3 new tokens) and
+576 x 3072, 1536 x 576) at M = 1, 2, 3, 5 rows, and GB/s of weight bytes read, values and
+scales (min of 5 passes over the copies). int4 holds its values two a byte as `pack_params` does
+(`qmatmul_cpu.pack_int4`); int4-bytes one a byte, as before 2026-12-07. attention: us per `cache_attention` call at 752 keys (T = 1 and 3 new tokens) and
 97 keys. One-off measurements of kernel changes, not targets: docs/quantization.md quotes them.
 """
 from __future__ import annotations
@@ -43,11 +44,12 @@ def timed(run, copies, repeats: int = 5) -> list[float]:
 def matmul(mode: str, num_copies: int = 6) -> None:
     def kernel(seed, k, n):
         w = jax.random.normal(jax.random.PRNGKey(seed), (LAYERS, k, n), jnp.float32)
-        q = quant.quantize_kernel(w, quant.SPECS[mode])
-        return qmatmul_cpu.pack(q.qvalue), q.scale
+        q = quant.quantize_kernel(w, quant.SPECS[mode.removesuffix("-bytes")])
+        pack = qmatmul_cpu.pack_int4 if mode == "int4" else qmatmul_cpu.pack
+        return pack(q.qvalue), q.scale
 
     copies = [[kernel(10 * c + i, k, n) for i, (k, n) in enumerate(MATMULS)] for c in range(num_copies)]
-    nbytes = LAYERS * sum(k * n for k, n in MATMULS)
+    nbytes = sum(a.nbytes for pair in copies[0] for a in pair)
     for m in (1, 2, 3, 5):
         @jax.jit
         def layers(x, ws):
@@ -98,7 +100,7 @@ def main() -> None:
     elif sys.argv[1:2] == ["attention"]:
         attention()
     else:
-        sys.exit("usage: cpu_kernel_stream.py matmul [int8|int4] | attention")
+        sys.exit("usage: cpu_kernel_stream.py matmul [int8|int4|int4-bytes] | attention")
 
 
 if __name__ == "__main__":

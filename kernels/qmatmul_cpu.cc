@@ -9,6 +9,10 @@
 // w    s8  [L, N / 16, K, 16]     the int8 kernel packed in column blocks of 16: block j holds
 //                                 columns [16 j, 16 j + 16) row after row, so one block is one
 //                                 contiguous stream of K * 16 bytes
+//   or w u8 [L, N / 16, K / 2, 16] int4 values two a byte (python: qmatmul_cpu.pack_int4): in
+//                                 each block, 64 bytes hold 8 rows of its 16 columns, byte
+//                                 16 i + j row 8 c + i (low nibble) and row 8 c + 4 + i (high
+//                                 nibble) of column j, as w + 8 (0..15); K a multiple of 8
 // s    f32 [L, G, N]              scales: one per output channel (G = 1) or per K / G inputs
 // layer s32 []                    which of the L stacked kernels (read in place: no slice copy)
 // y    f32 [M, N]
@@ -112,6 +116,25 @@ inline v8f load_weights(const int8_t* p) { return load_int8(p); }
 inline v8f load_weights(const float* p) { return load_f32(p); }
 inline v8f load_weights(const uint16_t* p) { return load_bf16(p); }
 
+// Row k of a block of int4 values held two a byte (`Problem::nibbles`): its 16 weights, w[0]
+// columns 0-7 and w[1] 8-15. Row k's bytes are the 16 at byte row (k / 8) 4 + k mod 4, in the
+// low nibble for k mod 8 < 4, else the high one; each nibble is the value + 8.
+inline void load_nibble_row(const int8_t* block, int64_t k, v8f (&w)[2]) {
+  const int8_t* bytes = block + ((k >> 3) * 4 + (k & 3)) * kBlock;
+  const int shift = (k & 4) ? 4 : 0;
+#if defined(__AVX2__)
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  if (shift) v = _mm_srli_epi16(v, 4);
+  v = _mm_sub_epi8(_mm_and_si128(v, _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
+  w[0] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  w[1] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+#else
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 8; ++i)
+      w[half][i] = float(((uint8_t(bytes[8 * half + i]) >> shift) & 0x0F) - 8);
+#endif
+}
+
 // a * b + c in one rounding where the CPU has FMA: explicit, so that every tile shape computes
 // the same sums (left to the compiler, a contraction can differ between template instances).
 inline v8f fma8(v8f a, v8f b, v8f c) {
@@ -139,6 +162,7 @@ struct Problem {
   float* y;             // [M, N]
   int64_t m, k, n, groups;
   int64_t row_stride, block_stride;
+  bool nibbles = false;  // int4 values two a byte (w: the bytes; row_stride 16, K / 2 byte rows)
   const Digits* digits = nullptr;  // int8, integer path: x as digits (`digits_of`)
   const int32_t* digit_sums = nullptr;  // and their sums over this kernel's scale blocks
 };
@@ -148,7 +172,8 @@ struct Problem {
 // output is one FMA chain over k (4 cycles a step), and one row over one block (2 chains)
 // would wait on that latency, not on memory (standalone, 53 MB of int8 at M = 1: 10.5 -> 11.7
 // GB/s on one core, 19 -> 22 on two).
-template <typename W, int MT, int NB, Scale kScale>
+// kNibbles: int4 values two a byte (`load_nibble_row`).
+template <typename W, int MT, int NB, Scale kScale, bool kNibbles = false>
 void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t block_stride,
              int64_t n0, int64_t m0) {
   v8f acc[MT][NB][2];
@@ -158,7 +183,7 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
   const int64_t groups = kScale == Scale::kBlock ? p.groups : 1, per_group = p.k / groups;
   // Strided rows (a float kernel as stored) are fetched ahead: one cache line a block a row.
   const bool strided = row_stride != kBlock;
-  constexpr int64_t kRowsPerLine = std::max<int64_t>(1, 64 / (kBlock * sizeof(W)));
+  constexpr int64_t kRowsPerLine = kNibbles ? 8 : std::max<int64_t>(1, 64 / (kBlock * sizeof(W)));
   for (int64_t g = 0; g < groups; ++g) {
     const float* scale = kScale == Scale::kBlock ? p.s + g * p.n + n0 : nullptr;
     for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
@@ -166,13 +191,19 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
         for (int b = 0; b < NB; ++b) __builtin_prefetch(block + b * block_stride + (k + 8) * row_stride);
       // Packed blocks: each block's stream kPrefetchLines ahead, once a cache line.
       if (!strided && k % kRowsPerLine == 0)
-        for (int b = 0; b < NB; ++b)
-          __builtin_prefetch(block + b * block_stride + (k + kRowsPerLine * kPrefetchLines) * row_stride);
+        for (int b = 0; b < NB; ++b) {
+          const int64_t ahead = k + kRowsPerLine * kPrefetchLines;  // (nibbles: 2 rows a byte row)
+          __builtin_prefetch(block + b * block_stride + (kNibbles ? ahead / 2 : ahead) * row_stride);
+        }
       v8f w[NB][2];
       for (int b = 0; b < NB; ++b) {
-        const W* row = block + b * block_stride + k * row_stride;
-        w[b][0] = load_weights(row);
-        w[b][1] = load_weights(row + 8);
+        if constexpr (kNibbles) {
+          load_nibble_row(block + b * block_stride, k, w[b]);
+        } else {
+          const W* row = block + b * block_stride + k * row_stride;
+          w[b][0] = load_weights(row);
+          w[b][1] = load_weights(row + 8);
+        }
         if constexpr (kScale == Scale::kBlock) {  // block scales multiply the weights
           w[b][0] *= load_f32(scale + b * kBlock);
           w[b][1] *= load_f32(scale + b * kBlock + 8);
@@ -309,10 +340,12 @@ std::shared_ptr<Digits> digits_of(const float* x, int64_t m, int64_t k) {
 }
 
 #if defined(SPECJAX_INT8_DIGITS)
-// acc[r][b][i] = sum over k in [k0, k1) of d_i[m0 + r, k] * (w[k, column] + 128) for the 16
-// columns of block jb + b, exact in int32. The weights are read as stored (4 rows of a block,
-// 64 bytes, permuted to 16 columns x 4 rows: vpdpbusd's lanes) and fetched kPrefetchLines ahead.
-template <int MT, int NB>
+// acc[r][b][i] = sum over k in [k0, k1) of d_i[m0 + r, k] * (w[k, column] + offset) for the 16
+// columns of block jb + b, exact in int32 (offset: 128 for int8 values, read with their sign bit
+// flipped; 8 for int4 held two a byte, as stored). The weights are read as stored (64 bytes: 4
+// rows of a block, or 8 of nibbles; permuted to 16 columns x 4 rows, vpdpbusd's lanes) and
+// fetched kPrefetchLines ahead.
+template <int MT, int NB, bool kNibbles>
 inline void digit_products(const Problem<int8_t>& p, int64_t jb, int64_t m0, int64_t k0, int64_t k1,
                            __m512i (&acc)[MT][NB][kDigits]) {
   alignas(64) static const int8_t kPerm[64] = {  // out byte 4 j + i <- row i, column j
@@ -321,7 +354,8 @@ inline void digit_products(const Problem<int8_t>& p, int64_t jb, int64_t m0, int
       8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
       12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
   const __m512i perm = _mm512_load_si512(kPerm);
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const __m512i flip = _mm512_set1_epi8(char(0x80)), low = _mm512_set1_epi8(0x0F);
+  constexpr int kPlanes = kNibbles ? 2 : 1;  // sets of 4 rows in 64 bytes
   const Digits& dg = *p.digits;
   for (int r = 0; r < MT; ++r)
     for (int b = 0; b < NB; ++b)
@@ -330,38 +364,47 @@ inline void digit_products(const Problem<int8_t>& p, int64_t jb, int64_t m0, int
   const int8_t* planes[MT][kDigits];
   for (int r = 0; r < MT; ++r)
     for (int i = 0; i < kDigits; ++i) planes[r][i] = dg.d.data() + (i * dg.m + m0 + r) * dg.k;
-  for (int64_t k = k0; k < k1; k += 4) {
-    __m512i wv[NB];
+  for (int64_t k = k0; k < k1; k += 4 * kPlanes) {
+    const int64_t at = (k / kPlanes) * kBlock;  // the 64 bytes of rows [k, k + 4 kPlanes)
+    __m512i wv[NB][kPlanes];
     for (int b = 0; b < NB; ++b)
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_stride + (k + 4 * kPrefetchLines) * kBlock),
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_stride + at + 64 * kPrefetchLines),
                    _MM_HINT_T0);
-    for (int b = 0; b < NB; ++b)
-      wv[b] = _mm512_xor_si512(
-          _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + b * p.block_stride + k * kBlock)), flip);
-    for (int r = 0; r < MT; ++r)
-      for (int i = 0; i < kDigits; ++i) {
-        int32_t four;
-        std::memcpy(&four, planes[r][i] + k, sizeof four);
-        const __m512i xb = _mm512_set1_epi32(four);
-        for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b], xb);
+    for (int b = 0; b < NB; ++b) {
+      const __m512i bytes = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + b * p.block_stride + at));
+      if constexpr (kNibbles) {
+        wv[b][0] = _mm512_and_si512(bytes, low);
+        wv[b][kPlanes - 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      } else {
+        wv[b][0] = _mm512_xor_si512(bytes, flip);
       }
+    }
+    for (int r = 0; r < MT; ++r)
+      for (int i = 0; i < kDigits; ++i)
+        for (int h = 0; h < kPlanes; ++h) {
+          int32_t four;
+          std::memcpy(&four, planes[r][i] + k + 4 * h, sizeof four);
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int b = 0; b < NB; ++b) acc[r][b][i] = _mm512_dpbusd_epi32(acc[r][b][i], wv[b][h], xb);
+        }
   }
 }
 
 // Rows [m0, m0 + MT) x the NB column blocks from block jb (w: block jb's row 0).
-template <int MT, int NB>
+template <int MT, int NB, bool kNibbles>
 void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   const Digits& dg = *p.digits;
   __m512i acc[MT][NB][kDigits];
-  digit_products<MT, NB>(p, jb, m0, 0, p.k, acc);
+  digit_products<MT, NB, kNibbles>(p, jb, m0, 0, p.k, acc);
+  constexpr int32_t kOffset = kNibbles ? 8 : 128;
   // y = s * s0 * (A0 + (A1 + A2 / 254) / 254) in double, 8 columns a vector, where
-  // A_i = acc_i - 128 sum_k d_i (the weights were read as w + 128).
+  // A_i = acc_i - offset sum_k d_i (the weights were read as w + offset: `digit_products`).
   const __m512d base = _mm512_set1_pd(kDigitBase);
   for (int r = 0; r < MT; ++r) {
     const int64_t row = m0 + r;
     const __m512d s0 = _mm512_set1_pd(dg.s0[row]);
     __m512i shift[kDigits];
-    for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * p.digit_sums[i * dg.m + row]);
+    for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(kOffset * p.digit_sums[i * dg.m + row]);
     for (int b = 0; b < NB; ++b) {
       const int64_t n0 = (jb + b) * kBlock;
       __m512i exact[kDigits];
@@ -385,10 +428,11 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
 // for int4's blocks of 32, |A0| <= 32 x 127 x 8; f32-rounded beyond),
 // scaled and summed over the blocks in order (an FMA a block: f32's precision, as the float
 // path's FMA chain over k); y = s0 * that.
-template <int MT, int NB>
+template <int MT, int NB, bool kNibbles>
 void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   const Digits& dg = *p.digits;
   const __m512 inv1 = _mm512_set1_ps(1.0f / kDigitBase), inv2 = _mm512_set1_ps(1.0f / (kDigitBase * kDigitBase));
+  constexpr int32_t kOffset = kNibbles ? 8 : 128;  // what `digit_products` added to each weight
   const int64_t per_group = p.k / p.groups;
   __m512 total[MT][NB];
   for (int r = 0; r < MT; ++r)
@@ -402,10 +446,10 @@ void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
       for (int b = 0; b < NB; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(p.s + (g + kScaleAhead) * p.n + (jb + b) * kBlock), _MM_HINT_T0);
     __m512i acc[MT][NB][kDigits];
-    digit_products<MT, NB>(p, jb, m0, g * per_group, (g + 1) * per_group, acc);
+    digit_products<MT, NB, kNibbles>(p, jb, m0, g * per_group, (g + 1) * per_group, acc);
     for (int r = 0; r < MT; ++r) {
       __m512i shift[kDigits];
-      for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(128 * p.digit_sums[(i * dg.m + m0 + r) * p.groups + g]);
+      for (int i = 0; i < kDigits; ++i) shift[i] = _mm512_set1_epi32(kOffset * p.digit_sums[(i * dg.m + m0 + r) * p.groups + g]);
       for (int b = 0; b < NB; ++b) {
         __m512 v[kDigits];
         for (int i = 0; i < kDigits; ++i) v[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b][i], shift[i]));
@@ -424,8 +468,12 @@ void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
 // Rows [m0, m0 + MT) x NB column blocks on the integer path, one scale a channel or a block.
 template <int MT, int NB>
 void digits_tile_any(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
-  if (p.groups == 1) return digits_tile<MT, NB>(p, jb, m0);
-  return digits_tile_grouped<MT, NB>(p, jb, m0);
+  if (p.nibbles) {
+    if (p.groups == 1) return digits_tile<MT, NB, true>(p, jb, m0);
+    return digits_tile_grouped<MT, NB, true>(p, jb, m0);
+  }
+  if (p.groups == 1) return digits_tile<MT, NB, false>(p, jb, m0);
+  return digits_tile_grouped<MT, NB, false>(p, jb, m0);
 }
 
 template <int MT>
@@ -483,6 +531,11 @@ template <typename W, int MT, int NB>
 void tile(const Problem<W>& p, const Stripe<W>& at, int64_t jb, int64_t m0) {
   const int64_t n0 = jb * kBlock;
   if constexpr (std::is_same_v<W, int8_t>) {
+    if (p.nibbles) {
+      if (p.groups == 1)
+        return tile_at<W, MT, NB, Scale::kChannel, true>(p, at.w, at.row_stride, at.block_stride, n0, m0);
+      return tile_at<W, MT, NB, Scale::kBlock, true>(p, at.w, at.row_stride, at.block_stride, n0, m0);
+    }
     if (p.groups == 1)
       return tile_at<W, MT, NB, Scale::kChannel>(p, at.w, at.row_stride, at.block_stride, n0, m0);
     return tile_at<W, MT, NB, Scale::kBlock>(p, at.w, at.row_stride, at.block_stride, n0, m0);
@@ -712,29 +765,37 @@ ffi::ErrorOr<int64_t> layer_of(ffi::Buffer<ffi::S32>& layer) {
   return int64_t(layer.typed_data()[0]);
 }
 
-// One int8 kernel of a group: w [L, N/16, K, 16] and s [L, G, N] at the layer.
+// One int8 kernel of a group: w [L, N/16, K, 16] (int8 values) or u8 [L, N/16, K/2, 16] (int4
+// values two a byte) and s [L, G, N] at the layer.
 ffi::ErrorOr<Problem<int8_t>> int8_problem(const float* x, int64_t x_count, ffi::AnyBuffer w,
                                            ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> y,
                                            int64_t l) {
   const auto wd = w.dimensions();
   const auto sd = s.dimensions();
-  if (w.element_type() != ffi::S8 || s.element_type() != ffi::F32 || y->element_type() != ffi::F32)
-    return ffi::Unexpected(invalid("qmatmul: w must be int8, s and y f32"));
+  const bool nibbles = w.element_type() == ffi::U8;
+  if ((w.element_type() != ffi::S8 && !nibbles) || s.element_type() != ffi::F32 ||
+      y->element_type() != ffi::F32)
+    return ffi::Unexpected(invalid("qmatmul: w must be int8 (or uint8: int4 two a byte), s and y f32"));
   if (wd.size() < 4 || sd.size() < 3)
-    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]"));
+    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16] (uint8: [L, N/16, K/2, 16]), s [L, G, N]"));
   const size_t wr = wd.size(), sr = sd.size();
   if (wd[wr - 1] != kBlock || product(wd, 0, wr - 4) != 1 || product(sd, 0, sr - 3) != 1)
-    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16], s [L, G, N]"));
-  const int64_t L = wd[wr - 4], nblocks = wd[wr - 3], K = wd[wr - 2], N = nblocks * kBlock;
+    return ffi::Unexpected(invalid("qmatmul: w must be [L, N/16, K, 16] (uint8: [L, N/16, K/2, 16]), s [L, G, N]"));
+  const int64_t L = wd[wr - 4], nblocks = wd[wr - 3], rows = wd[wr - 2], N = nblocks * kBlock;
+  const int64_t K = nibbles ? 2 * rows : rows;
+  if (nibbles && K % 8 != 0)
+    return ffi::Unexpected(invalid("qmatmul: int4 two a byte needs K a multiple of 8"));
   const int64_t G = sd[sr - 2];
   if (sd[sr - 3] != L || sd[sr - 1] != N || G < 1 || K % G != 0)
     return ffi::Unexpected(invalid("qmatmul: scale shape does not match the kernel"));
   int64_t M = 0;
   if (auto error = check_rows("qmatmul", x_count, y->element_count(), K, N, l, L, M); error.failure())
     return ffi::Unexpected(error);
-  return Problem<int8_t>{x, static_cast<const int8_t*>(w.untyped_data()) + l * nblocks * K * kBlock,
-                         static_cast<const float*>(s.untyped_data()) + l * G * N,
-                         static_cast<float*>(y->untyped_data()), M, K, N, G, kBlock, K * kBlock};
+  Problem<int8_t> p{x, static_cast<const int8_t*>(w.untyped_data()) + l * nblocks * rows * kBlock,
+                    static_cast<const float*>(s.untyped_data()) + l * G * N,
+                    static_cast<float*>(y->untyped_data()), M, K, N, G, kBlock, rows * kBlock};
+  p.nibbles = nibbles;
+  return p;
 }
 
 // One float kernel of a group: w [L, K, N] as stored (W: float, or uint16_t holding bf16).
@@ -793,12 +854,12 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
-  // The integer path for each kernel whose scale blocks hold a multiple of 4 inputs (one
-  // scale a channel; int4's blocks of 32); x's digits made once for the group.
+  // The integer path for each kernel whose scale blocks hold a multiple of 4 inputs (8 for int4
+  // two a byte; one scale a channel; int4's blocks of 32); x's digits made once for the group.
   std::shared_ptr<Digits> digits;
   for (auto& p : problems) {
     if (!kInt8Digits || p.m == 0 || p.k > kMaxDigitsK || p.groups <= 0 || p.k % p.groups != 0 ||
-        (p.k / p.groups) % 4 != 0)
+        (p.k / p.groups) % (p.nibbles ? 8 : 4) != 0)
       continue;
     if (!digits) digits = digits_of(x.typed_data(), p.m, p.k);
     p.digits = digits.get();

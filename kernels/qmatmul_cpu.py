@@ -2,6 +2,7 @@
 FFI, and their jnp references.
 
     w = pack(qvalue)                         # int8 [L, K, N] -> [L, N/16, K, 16]
+    w = pack_int4(qvalue)                    # int4 [L, K, N] -> uint8 [L, N/16, K/2, 16]
     y = qmatmul(x, w, scale, layer)          # x f32 [..., K] -> [..., N]
     y = qmatmul_reference(x, w, scale, layer)
     y = matmul(x, stack, layer)              # a float stack f32 / bf16 [L, K, N] as stored
@@ -10,7 +11,8 @@ FFI, and their jnp references.
     y = matmul_rows_reference(x, stack, layer)
 
 `y = x @ (w[layer] * scale[layer])`, the scale per output channel (`[L, 1, N]`) or per block of
-K / G inputs (`[L, G, N]`). Why a kernel: XLA CPU dequantizes an int8 kernel to f32 in a fusion
+K / G inputs (`[L, G, N]`); int4 values are held two a byte (`pack_int4`: half int8's bytes,
+which a decode step reads all of). Why a kernel: XLA CPU dequantizes an int8 kernel to f32 in a fusion
 of its own (int8 read, f32 written and read back: ~9 bytes a weight), and copies each layer's
 slice out of the stacked `[L, ...]` params before the matmul reads it; decoding reads every
 weight every step, so those bytes are the step (docs/quantization.md). The kernel reads the
@@ -47,6 +49,8 @@ from specjax.kernels.cpu_ffi import ENV_SWITCH, switched_off  # noqa: F401 (this
 
 #: columns per packed block
 BLOCK = 16
+#: rows of a column block in one 64-byte run of `pack_int4`'s layout (4 in each nibble)
+NIBBLE_ROWS = 8
 #: the FFI targets' names: the int8 kernel, and the float kernel per weight dtype
 TARGET = "specjax_qmatmul_int8"
 FLOAT_TARGETS = {jnp.dtype(jnp.float32): "specjax_matmul_f32", jnp.dtype(jnp.bfloat16): "specjax_matmul_bf16"}
@@ -95,10 +99,39 @@ def pack(values: jax.Array) -> jax.Array:
     return blocks.transpose(0, 2, 1, 3)
 
 
+def int4_packable(shape: tuple[int, ...]) -> bool:
+    """Whether a kernel `[..., K, N]` of int4 values packs two a byte (`pack_int4`): `packable`
+    and K a multiple of 8."""
+    return packable(shape) and shape[-2] % NIBBLE_ROWS == 0
+
+
+def pack_int4(values: jax.Array) -> jax.Array:
+    """int4 values (-8..7) `[L, K, N]` -> uint8 `[L, N/16, K/2, 16]`, two a byte as the kernel
+    reads them: in column block j, the 64 bytes of rows [8 c, 8 c + 8) hold at byte 16 i + col
+    row 8 c + i in the low nibble and row 8 c + 4 + i in the high one, each as value + 8
+    (`int4_packable` shapes)."""
+    layers, k, n = values.shape
+    biased = (values.astype(jnp.int32) + 8).astype(jnp.uint8)  # [L, K, N], 0..15
+    split = biased.reshape(layers, k // NIBBLE_ROWS, 2, 4, n // BLOCK, BLOCK)
+    pairs = split[:, :, 0] | (split[:, :, 1] << 4)  # [L, K/8, 4, N/16, 16]
+    return pairs.transpose(0, 3, 1, 2, 4).reshape(layers, n // BLOCK, k // 2, BLOCK)
+
+
 def unpack(packed: jax.Array) -> jax.Array:
-    """`pack`'s inverse: `[L, N/16, K, 16]` -> `[L, K, N]`."""
-    layers, nblocks, k, _ = packed.shape
-    return packed.transpose(0, 2, 1, 3).reshape(layers, k, nblocks * BLOCK)
+    """`pack`'s inverse: `[L, N/16, K, 16]` -> `[L, K, N]`; and `pack_int4`'s: uint8 `[L, N/16,
+    K/2, 16]` -> int8 `[L, K, N]`."""
+    layers, nblocks, rows, _ = packed.shape
+    if packed.dtype == jnp.uint8:
+        runs = packed.reshape(layers, nblocks, rows // 4, 4, BLOCK)
+        halves = jnp.stack([runs & 0x0F, runs >> 4], axis=3)  # [L, N/16, K/8, 2, 4, 16]
+        packed = (halves.reshape(layers, nblocks, 2 * rows, BLOCK).astype(jnp.int8) - 8)
+        rows *= 2
+    return packed.transpose(0, 2, 1, 3).reshape(layers, rows, nblocks * BLOCK)
+
+
+def kernel_inputs(packed: jax.Array) -> int:
+    """K of a packed kernel `[..., N/16, K, 16]` (uint8 `[..., N/16, K/2, 16]`: int4 two a byte)."""
+    return packed.shape[-2] * (2 if packed.dtype == jnp.uint8 else 1)
 
 
 def dequantize(packed: jax.Array, scale: jax.Array) -> jax.Array:
@@ -161,7 +194,8 @@ def matmul_blocks_reference(x: jax.Array, blocks: jax.Array, layer: jax.Array | 
 
 
 def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]`, scale f32 `[L, G, N]`, layer int32 `[]`
+    """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]` (or uint8 `[L, N/16, K/2, 16]`:
+    `pack_int4`), scale f32 `[L, G, N]`, layer int32 `[]`
     -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
     Differentiable in x and scale (the backward pass is the reference's)."""
     return qmatmul_group(x, [(packed, scale)], layer)[0]
@@ -171,7 +205,7 @@ def qmatmul_group(x: jax.Array, kernels, layer: jax.Array | int) -> list[jax.Arr
     """`qmatmul` of one x by each (packed, scale) of `kernels` (of one K), in one call: one
     hand-off to the thread pool for the group (q / k / v, gate / up)."""
     for packed, scale in kernels:
-        layers, nblocks, k, _ = packed.shape
+        layers, nblocks, k = packed.shape[0], packed.shape[1], kernel_inputs(packed)
         if x.shape[-1] != k or scale.ndim != 3 or scale.shape[::2] != (layers, nblocks * BLOCK):
             raise ValueError(f"qmatmul: x {x.shape}, packed {packed.shape} and scale {scale.shape} "
                              "do not fit")

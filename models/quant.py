@@ -18,8 +18,9 @@ stay in the model dtype).
 
 On the CPU backend, int8 and int4 kernels of params on one device become `PackedKernel`s
 (`pack_params`: `hub.load_model` does it, and so does `sharding.shard_params` without a mesh,
-which every job's params pass): the values as int8 packed for the CPU kernel
-(`kernels.qmatmul_cpu`: `[L, N/16, K, 16]`), the scale as it was, multiplied by that kernel,
+which every job's params pass): the values packed for the CPU kernel (`kernels.qmatmul_cpu`:
+int8 `[L, N/16, K, 16]`; int4 two a byte, uint8 `[L, N/16, K/2, 16]`), the scale as it was,
+multiplied by that kernel,
 which reads the int8 values in place from the whole stack (`PackedKernel.layer`: the layer loop
 hands each layer the stack and its index, `models.llama.scan_layers`). `unpack_params` gives
 the QArrays back (what sharding places). `SPECJAX_CPU_KERNELS=0`, or no C++ compiler, keeps
@@ -163,8 +164,9 @@ def head_kernel(inner: Params) -> jax.Array:
 class PackedKernel:
     """A quantized layer kernel in the CPU kernel's layout (`kernels.qmatmul_cpu`).
 
-    packed: int8 `[L, N/16, K, 16]` (int4 values held one a byte, as XLA CPU holds int4), or
-    `[N/16, K, 16]` for a single kernel (the LM head);
+    packed: int8 `[L, N/16, K, 16]`, or for int4 uint8 `[L, N/16, K/2, 16]` (two values a byte:
+    `qmatmul_cpu.pack_int4`; int8 one a byte where K is not a multiple of 8), or `[N/16, K, 16]`
+    for a single kernel (the LM head);
     scale: f32 `[L, G, N]` (G = 1: per output channel; else one per K / G inputs), or `[G, N]`;
     layer: None for the stack as stored, or an int32 `[]` index: the layer `Linear` multiplies
     by, read in place from the whole stack (`models.llama.scan_layers`);
@@ -179,8 +181,8 @@ class PackedKernel:
     @property
     def shape(self) -> tuple[int, ...]:
         """The kernel's own shape `[L, K, N]` (or `[K, N]` for one layer sliced off a stack)."""
-        *lead, nblocks, k, block = self.packed.shape
-        return (*lead, k, nblocks * block)
+        *lead, nblocks, _, block = self.packed.shape
+        return (*lead, qmatmul_cpu.kernel_inputs(self.packed), nblocks * block)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks", "layer"], meta_fields=[])
@@ -264,6 +266,8 @@ def pack_params(params: Params) -> Params:
             return BlockedKernel(_pack_jit(leaf))
         if not packs(leaf):
             return leaf
+        if jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4) and qmatmul_cpu.int4_packable(leaf.qvalue.shape):
+            return PackedKernel(_pack_int4_jit(leaf.qvalue), leaf.scale, None, "int4")
         mode = "int4" if jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4) else "int8"
         return PackedKernel(_pack_jit(leaf.qvalue), leaf.scale, None, mode)
 
@@ -281,6 +285,14 @@ def _pack_jit(values: jax.Array) -> jax.Array:
     if values.ndim == 2:
         return qmatmul_cpu.pack(values[None])[0]
     return qmatmul_cpu.pack(values)
+
+
+@jax.jit
+def _pack_int4_jit(values: jax.Array) -> jax.Array:
+    """`qmatmul_cpu.pack_int4` of a stacked `[L, K, N]` or a single `[K, N]` kernel."""
+    if values.ndim == 2:
+        return qmatmul_cpu.pack_int4(values[None])[0]
+    return qmatmul_cpu.pack_int4(values)
 
 
 @jax.jit

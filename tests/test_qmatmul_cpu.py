@@ -1,11 +1,14 @@
 """The CPU int8 matmul kernel (`kernels/qmatmul_cpu`) against its jnp reference and qwix.
 
-- packed layout: pack / unpack round trip; the dequantized stack equals qwix's dequantize;
+- packed layout: pack / unpack round trip (int4 two a byte too); the dequantized stack equals
+  qwix's dequantize;
 - the kernel equals the reference on random shapes (rows 0..13, ragged row tiles, per-channel
   and block scales, every layer of a stack), and a row's result does not depend on the other
   rows (bit for bit: each output is one sum in order, or exact integer sums of x's digits on
   AVX-512 VNNI); a row with a NaN or an infinity gives no finite output and leaves the others
   alone; a wide row of mixed magnitudes keeps f32 precision;
+- int4 held two a byte gives what one a byte gives, bit for bit (every row count, a scale a
+  channel, a block of 32 or of 8 inputs);
 - a PackedKernel multiplies like the QArray it came from (`qwix.dot_general`);
 - it composes: jit, vmap over rows and over the layer index, grad in x and scale;
 - bad input is an error, never a wrong answer (a layer index out of range, shapes that do not
@@ -65,12 +68,45 @@ def rows(seed: int, shape) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed + 100), shape, jnp.float32)
 
 
+def packed_values(q: qwix.QArray) -> jax.Array:
+    """The values as `pack_params` holds them: int4 two a byte, int8 one."""
+    if jnp.dtype(q.qtype) == jnp.dtype(jnp.int4):
+        return qmatmul_cpu.pack_int4(q.qvalue)
+    return qmatmul_cpu.pack(q.qvalue)
+
+
 def test_pack_round_trips_and_dequantizes_like_qwix():
     q = random_quantized(0, 3, 64, 48, "int4")
     packed = qmatmul_cpu.pack(q.qvalue)
     assert packed.shape == (3, 3, 64, 16) and packed.dtype == jnp.int8
     np.testing.assert_array_equal(qmatmul_cpu.unpack(packed), q.qvalue.astype(jnp.int8))
     np.testing.assert_array_equal(qmatmul_cpu.dequantize(packed, q.scale), qwix.dequantize(q))
+    nibbles = qmatmul_cpu.pack_int4(q.qvalue)
+    assert nibbles.shape == (3, 3, 32, 16) and nibbles.dtype == jnp.uint8
+    assert qmatmul_cpu.kernel_inputs(nibbles) == 64
+    np.testing.assert_array_equal(qmatmul_cpu.unpack(nibbles), q.qvalue.astype(jnp.int8))
+    np.testing.assert_array_equal(qmatmul_cpu.dequantize(nibbles, q.scale), qwix.dequantize(q))
+    # the layout the kernel reads: block 1, byte row 4 c + i = rows 8 c + i (low) and + 4 (high)
+    values = np.asarray(q.qvalue.astype(jnp.int8))
+    byte = int(np.asarray(nibbles)[2, 1, 4 * 3 + 2, 5])
+    assert (byte & 15) - 8 == values[2, 8 * 3 + 2, 16 + 5]
+    assert (byte >> 4) - 8 == values[2, 8 * 3 + 4 + 2, 16 + 5]
+
+
+@pytest.mark.parametrize("per_group", [None, 32, 8])
+def test_int4_two_a_byte_computes_what_one_a_byte_computes(per_group):
+    """Bit for bit, over row counts 0-13 (every tile shape) and each layer; a scale a channel
+    (None), a block of 32 inputs (int4's) or of 8 (the layout's run of rows)."""
+    layers, k, n = 2, 96, 64
+    q = random_quantized(7, layers, k, n, "int4")
+    groups = 1 if per_group is None else k // per_group
+    scale = jnp.abs(rows(7, (layers, groups, n))) + 0.1
+    for m in range(14):
+        x = rows(m, (m, k))
+        for layer in range(layers):
+            nibbles = jax.jit(qmatmul_cpu.qmatmul)(x, qmatmul_cpu.pack_int4(q.qvalue), scale, layer)
+            one_a_byte = jax.jit(qmatmul_cpu.qmatmul)(x, qmatmul_cpu.pack(q.qvalue), scale, layer)
+            np.testing.assert_array_equal(nibbles, one_a_byte)
 
 
 @settings(max_examples=25, deadline=None)
@@ -78,7 +114,7 @@ def test_pack_round_trips_and_dequantizes_like_qwix():
        m=st.integers(0, 13), block_scales=st.booleans(), seed=st.integers(0, 2**16))
 def test_kernel_equals_reference(layers, k, nblocks, m, block_scales, seed):
     q = random_quantized(seed, layers, k, 16 * nblocks, "int4" if block_scales else "int8")
-    packed = qmatmul_cpu.pack(q.qvalue)
+    packed = packed_values(q)
     x = rows(seed, (m, k))
     for layer in range(layers):
         got = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, layer)
@@ -90,7 +126,7 @@ def test_kernel_equals_reference(layers, k, nblocks, m, block_scales, seed):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(mode):
     q = random_quantized(1, 2, 96, 64, mode)
-    packed = qmatmul_cpu.pack(q.qvalue)
+    packed = packed_values(q)
     x = rows(1, (13, 96))
     together = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 1)
     for m in (1, 2, 5, 7):
@@ -106,7 +142,7 @@ def test_a_row_that_is_not_finite_gives_no_finite_output_and_leaves_the_others_a
     """Every path: the integer digits (AVX-512 VNNI builds; a scale a channel or a block) and
     the float FMAs."""
     q = random_quantized(2, 2, 96, 64, mode)
-    packed = qmatmul_cpu.pack(q.qvalue)
+    packed = packed_values(q)
     x = rows(2, (5, 96))
     clean = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 0)
     got = np.asarray(jax.jit(qmatmul_cpu.qmatmul)(x.at[3, 17].set(bad), packed, q.scale, 0))
@@ -119,7 +155,7 @@ def test_wide_rows_of_mixed_magnitudes_keep_f32_precision(mode):
     """K = 1536 (SmolLM2's down projection), values from 1e-4 to 1e2 in one row: the integer
     path's digits (~2^-24 of the row's largest |x|) keep the product as close as f32 FMAs."""
     q = random_quantized(3, 1, 1536, 48, mode)
-    packed = qmatmul_cpu.pack(q.qvalue)
+    packed = packed_values(q)
     x = rows(3, (4, 1536)) * jnp.logspace(-4, 2, 1536)[None, :]
     want = np.asarray(x, np.float64) @ np.asarray(qwix.dequantize(q)[0], np.float64)
     got = jax.jit(qmatmul_cpu.qmatmul)(x, packed, q.scale, 0)
@@ -179,6 +215,9 @@ def test_pack_params_packs_what_the_kernel_runs_and_unpacks_exactly(monkeypatch)
     assert {k for k, v in packed.items() if isinstance(v, quant.PackedKernel)} == {"int8", "int4"}
     assert packed["fp8"] is tree["fp8"] and packed["narrow"] is tree["narrow"]
     assert quant.quantization_of({"w": packed["int4"]}) == "int4"
+    assert packed["int4"].packed.dtype == jnp.uint8  # two a byte: half int8's bytes
+    assert packed["int4"].packed.nbytes * 2 == tree["int4"].qvalue.size
+    assert packed["int4"].shape == tree["int4"].shape
     back = quant.unpack_params(packed)
     for name in ("int8", "int4"):
         assert back[name].qtype == tree[name].qtype
@@ -414,7 +453,7 @@ def test_a_group_call_computes_what_its_calls_compute_one_by_one():
     x = rows(10, (5, 64))
     int8 = [random_quantized(10 + i, 2, 64, n, mode) for i, (n, mode) in enumerate(
         [(48, "int8"), (16, "int8"), (32, "int4")])]
-    pairs = [(qmatmul_cpu.pack(q.qvalue), q.scale) for q in int8]
+    pairs = [(packed_values(q), q.scale) for q in int8] + [(qmatmul_cpu.pack(int8[2].qvalue), int8[2].scale)]
     grouped = jax.jit(qmatmul_cpu.qmatmul_group)(x, pairs, 1)
     for (packed, scale), y in zip(pairs, grouped):
         np.testing.assert_array_equal(y, jax.jit(qmatmul_cpu.qmatmul)(x, packed, scale, 1))

@@ -69,13 +69,24 @@ def _timed(fn) -> float:
 
 
 def stored_bytes(params) -> int:
-    """Bytes a step reads of `params` as stored (int4: two values a byte in the CPU kernel's
-    layout, one a byte in XLA CPU's QArrays, `int4_xla`). With an int8 LM head (`quant.HEAD`) the float head it replaces
-    is left out: `lm_head`, or a tied embedding (the lookups read B of its rows)."""
+    """Bytes a step reads of `params` as stored on the device (int4: two values a byte in the
+    CPU kernel's layout, one a byte in XLA CPU's QArrays, `int4_xla`). With an int8 LM head
+    (`quant.HEAD`) the float head it replaces is left out: `lm_head`, or a tied embedding; an
+    untied embedding is left out too (the lookups read B of its rows)."""
     inner = params["params"]
     if HEAD in inner:
         inner = {k: v for k, v in inner.items() if k not in ("lm_head", "embed_tokens")}
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(inner))
+    elif "lm_head" in inner:
+        inner = {k: v for k, v in inner.items() if k != "embed_tokens"}
+    return sum(_device_bytes(leaf) for leaf in jax.tree.leaves(inner))
+
+
+def _device_bytes(leaf) -> int:
+    """An array's bytes on its device (an accelerator may pack 4-bit values two a byte)."""
+    try:
+        return int(leaf.on_device_size_in_bytes())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return leaf.size * leaf.dtype.itemsize
 
 
 def kv_bytes(cfg, length: float) -> float:

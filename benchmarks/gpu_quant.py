@@ -62,18 +62,20 @@ def parse_args(argv=None):
 
 
 def kernel_shapes(params) -> set[tuple[int, int]]:
-    """The `[K, N]` of every stacked layer kernel (`params/layers/.../kernel`, `[L, K, N]`,
-    a QArray's values included)."""
+    """The `[K, N]` of every stacked layer kernel (`params/layers/.../kernel`, `[L, K, N]`: a
+    float kernel, or a QArray's values; not its scales)."""
     shapes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params["params"]["layers"])[0]:
         keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        if "kernel" in keys and getattr(leaf, "ndim", 0) == 3 and min(leaf.shape[1:]) > 1:
+        if ("kernel" in keys and "scale" not in keys and getattr(leaf, "ndim", 0) == 3
+                and min(leaf.shape[1:]) > 1):
             shapes.add(tuple(leaf.shape[1:]))
     return shapes
 
 
-#: an HLO instruction's result: `%name = dtype[d0,d1]{layout} opcode(`
-_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w\-]+)\(")
+#: an HLO instruction's result: `%name = dtype[d0,d1]{layout} opcode(` (layout `{1,0:E(4)}`:
+#: 4-bit elements packed two a byte)
+_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[([\d,]*)\](\{[^}]*\})? ([\w\-]+)\(")
 #: a computation's first line: `%name (params) -> type {` or `ENTRY %name ...`
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _PASSIVE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant"}
@@ -81,12 +83,14 @@ _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "f8
 
 
 def weight_copies(hlo_text: str, shapes: set[tuple[int, int]]) -> dict:
-    """The compiled program's instructions that write an array of a layer kernel's shape (either
-    orientation; those inside a fusion's body write nothing of their own): a copy the matmul
-    reads instead of the stacked weights. {"count", "bytes", "ops": {opcode or fusion name:
-    count}} (bytes: one of each, per layer-loop iteration)."""
+    """The instructions of the compiled program's loop bodies (the layer loop: `while`'s
+    `body=`) that write an array of a layer kernel's shape (either orientation; those inside a
+    fusion's body write nothing of their own): a copy the matmul reads instead of the stacked
+    weights. {"count", "bytes", "ops": {opcode or fusion name: count}} (bytes: one of each, per
+    loop iteration)."""
     wanted = shapes | {(n, k) for k, n in shapes}
     fused = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo_text))  # fusions' bodies
+    bodies = set(re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo_text))
     ops: dict[str, int] = {}
     count = nbytes = 0
     computation = None
@@ -96,14 +100,15 @@ def weight_copies(hlo_text: str, shapes: set[tuple[int, int]]) -> dict:
             computation = header.group(1)
             continue
         m = _RESULT.match(line)
-        if not m or m.group(4) in _PASSIVE or computation in fused:
+        if not m or m.group(5) in _PASSIVE or computation in fused or computation not in bodies:
             continue
         dims = tuple(int(d) for d in m.group(3).split(",") if d)
         if len(dims) == 2 and dims in wanted:
-            kind = m.group(4) if m.group(4) != "fusion" else re.sub(r"[.\d]+$", "", m.group(1))
+            kind = m.group(5) if m.group(5) != "fusion" else re.sub(r"[.\d]+$", "", m.group(1))
             ops[kind] = ops.get(kind, 0) + 1
             count += 1
-            nbytes += dims[0] * dims[1] * _BYTES.get(m.group(2), 4)
+            packed = "E(4)" in (m.group(4) or "")
+            nbytes += dims[0] * dims[1] * _BYTES.get(m.group(2), 4) // (2 if packed else 1)
     return {"count": count, "bytes": nbytes, "ops": ops}
 
 
@@ -174,16 +179,16 @@ def main(argv=None) -> int:
     bandwidth = jnp_bandwidth(int(s["bandwidth_gb"] * 1e9), repeats=5)
     device = jax.devices()[0]
     say(f"{jax.default_backend()} {device.device_kind}: streaming {bandwidth:.1f} GB/s")
-    results = []
-    for mode in s["modes"]:
-        results += run_mode(s, mode, args.layers, bandwidth, say)
-    report = {"settings": {**s, "layers": args.layers}, "device": device.device_kind,
-              "backend": jax.default_backend(), "jax": jax.__version__,
-              "bandwidth_gb_s": bandwidth, "results": results, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "gpu_quant_smoke.json" if args.smoke else "gpu_quant.json"
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    results = []
+    for mode in s["modes"]:  # the file is rewritten after each mode: a timeout keeps the done ones
+        results += run_mode(s, mode, args.layers, bandwidth, say)
+        report = {"settings": {**s, "layers": args.layers}, "device": device.device_kind,
+                  "backend": jax.default_backend(), "jax": jax.__version__,
+                  "bandwidth_gb_s": bandwidth, "results": results, "wall_s": time.perf_counter() - t0}
+        (out / name).write_text(json.dumps(report, indent=2) + "\n")
     for r in results:
         if not r["supported"]:
             print(f"{r['mode']:>9}: not supported here: {r['error']}")

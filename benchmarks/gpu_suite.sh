@@ -123,7 +123,12 @@ if [ "$DRY" = 0 ]; then
 else
   DEVICE="(dry run)"
 fi
-[ -n "${SUITE_BUDGETS:-}" ] && read -r -a BUDGETS <<<"$SUITE_BUDGETS"  # e.g. "120 150 150 150"
+if [ -n "${SUITE_BUDGETS:-}" ]; then  # e.g. "90 130 110 120 90"
+  read -r -a BUDGETS <<<"$SUITE_BUDGETS"
+  if [ "${#BUDGETS[@]}" -ne 5 ]; then
+    echo "gpu_suite.sh: SUITE_BUDGETS needs 5 budgets in seconds, one a part (got '$SUITE_BUDGETS')" >&2; exit 2
+  fi
+fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
 
 run_part 1 "kernel tests" "${BUDGETS[0]}" 1_kernel_tests.log parts.log \

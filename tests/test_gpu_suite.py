@@ -72,3 +72,7 @@ def test_parts_run_in_order_and_failures_and_timeouts_are_recorded(tmp_path):
         "===== 5. quantized targets benchmark: 5_quant.log (rc 0) =====",
     ]
     assert "broken" in logs
+    env["SUITE_BUDGETS"] = "20 20 20 2"  # four: refused before any part runs, naming the variable
+    result = run_suite("--smoke", "--out", str(tmp_path / "four"), env=env)
+    assert result.returncode == 2 and "SUITE_BUDGETS needs 5 budgets" in result.stderr
+    assert not (tmp_path / "four" / "parts.log").exists()

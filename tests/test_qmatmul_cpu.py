@@ -93,10 +93,12 @@ def test_pack_round_trips_and_dequantizes_like_qwix():
     assert (byte >> 4) - 8 == values[2, 8 * 3 + 4 + 2, 16 + 5]
 
 
-@pytest.mark.parametrize("per_group", [None, 32, 8])
+@pytest.mark.parametrize("per_group", [None, 32, 8, 6])
 def test_int4_two_a_byte_computes_what_one_a_byte_computes(per_group):
     """Bit for bit, over row counts 0-13 (every tile shape) and each layer; a scale a channel
-    (None), a block of 32 inputs (int4's) or of 8 (the layout's run of rows)."""
+    (None), a block of 32 inputs (int4's) or of 8 (the layout's run of rows): the integer path
+    where the CPU has AVX-512 VNNI; blocks of 6 inputs take the float path on any CPU
+    (`load_nibble_row`)."""
     layers, k, n = 2, 96, 64
     q = random_quantized(7, layers, k, n, "int4")
     groups = 1 if per_group is None else k // per_group

@@ -34,8 +34,8 @@
 # else .venv/bin/python if present, else python3. On the GPU machine (jax 0.11.2, Python 3.12,
 # no network) specjax is installed from this tree with `pip install --no-deps
 # --no-build-isolation -e .` when it does not import; the image lacks `gguf` and `qwix` (pure
-# Python: gguf==0.19.0, qwix==0.1.8): carry their wheels as /work/.library/device/README.md
-# describes (.whl, PYTHONPATH=/tmp/site).
+# Python): `bash benchmarks/gpu_wheels.sh` puts their wheels in .whl/ and prints the device
+# command that installs them (carry .whl, PYTHONPATH=/tmp/site).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."

@@ -20,3 +20,5 @@ for name in gguf qwix; do
     --platform manylinux2014_x86_64 -d .whl "$name==$version"
 done
 ls .whl
+echo "device command (carry [\".whl\"]): python3 -m pip install -q --no-index --no-deps --no-compile" \
+  "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_suite.sh"

@@ -10,7 +10,10 @@
    the measured plain (AR) step time; floor / measured = the fraction of the floor reached.
 3. tokens/s at B=1 of specjax plain decoding and of the best of the given drafters, per mode,
    on Spec-Bench summarization and on open chat (writing) prompts (`--num-draft`: a chain of 4
-   by default, or auto).
+   by default, or auto): the median of `--repeats` passes over the prompts, plain decoding and
+   the drafters taking turns in an order rotated each pass (before 2026-12-07 evening: one pass
+   each, plain first, so the machine's drift between them read as a drafter's gain); with each
+   drafter's acceptance length and auto's picks (steps per draft length).
 4. llama.cpp: run through llama-cpp-python when it imports (the shipped Q4_1 GGUF, the same
    prompt token ids and threads, greedy, prefill excluded as for specjax), else the column
    holds the reason. llama-cpp-python is a benchmark dependency, built from its sdist (cmake +
@@ -28,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -38,6 +42,7 @@ import numpy as np
 import specjax
 from specjax.kernels.qmatmul_cpu import ENV_SWITCH
 from specjax.measure.datasets import load_prompt_set, select_rows
+from specjax.metrics import job_summary
 from specjax.models.quant import HEAD, pack_params, quantize_params
 
 SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
@@ -106,28 +111,52 @@ def model_in(f32, mode: str):
     return f32
 
 
-def decode_rate(model, prompts, max_new: int, draft=None, num_draft: int | str = 4) -> dict:
-    """tokens/s (decode only, compile and prefill excluded) of B=1 generations of `prompts`
-    (static batches: a refilled slot's prefill runs inside the decode loop, so its time would
-    count as decoding)."""
+def decode_pass(model, prompts, max_new: int, draft=None, num_draft: int | str = 4) -> dict:
+    """One pass of B=1 generations of `prompts`: tokens/s (decode only, compile and prefill
+    excluded; static batches: a refilled slot's prefill runs inside the decode loop, so its time
+    would count as decoding), with the drafter's acceptance and auto's picks when drafting."""
     options = dict(max_new_tokens=max_new, batch_size=1, draft=draft,
                    num_draft=num_draft if draft else None, refill=False)
-    specjax.generate(model, prompts[:1], **options)  # compile
     tokens = seconds = 0.0
-    lengths = []
+    lengths, spec_rows = [], []
     for prompt in prompts:
         (g,) = specjax.generate(model, [prompt], **options)
         tokens += g.num_new_tokens
         seconds += g.times.decode_s
         lengths.append(len(prompt) + g.num_new_tokens / 2)
-    return {"tokens_per_s": round(tokens / seconds, 2), "step_ms": round(1e3 * seconds / tokens, 2),
-            "mean_length": float(np.mean(lengths))}
+        spec_rows += [g.spec] if g.spec is not None else []
+    rate = {"tokens_per_s": tokens / seconds, "mean_length": float(np.mean(lengths))}
+    if spec_rows:  # the drafter's acceptance, and auto's picks (steps per draft length)
+        job = job_summary(spec_rows)
+        rate |= {"acceptance_length": round(job["acceptance_length"], 3),
+                 "shape_histogram": job.get("shape_histogram", {})}
+    return rate
+
+
+def decode_rates(model, prompts, max_new: int, drafts, num_draft, repeats: int) -> dict:
+    """{None (plain) or drafter: its rate} over `repeats` passes, the modes taking turns in an
+    order rotated each pass (the machine's drift spread over all of them): the median pass's
+    tokens/s (and its step ms), each pass's, and the last pass's acceptance and picks. Each
+    mode's programs are compiled first."""
+    modes = [None, *drafts]
+    for draft in modes:
+        decode_pass(model, prompts[:1], max_new, draft, num_draft)  # compile
+    passes: dict = {draft: [] for draft in modes}
+    for rep in range(repeats):
+        for draft in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+            passes[draft].append(decode_pass(model, prompts, max_new, draft, num_draft))
+    out = {}
+    for draft, runs in passes.items():
+        median = statistics.median(r["tokens_per_s"] for r in runs)
+        out[draft] = {**runs[-1], "tokens_per_s": round(median, 2), "step_ms": round(1e3 / median, 2),
+                      "passes": [round(r["tokens_per_s"], 2) for r in runs]}
+    return out
 
 
 def llama_cpp_rate(gguf_path: str, prompts: list[list[int]], max_new: int, threads: int,
-                   eos_ids) -> dict | str:
+                   eos_ids, repeats: int = 1) -> dict | str:
     """llama.cpp greedy decoding through llama-cpp-python over the same token ids (specjax's
-    chat template), or why it did not run. Counted as specjax's `decode_rate` counts: the new
+    chat template), or why it did not run. Counted as specjax's `decode_pass` counts: the new
     tokens (the first included) over the seconds after the first token came out (prefill
     excluded)."""
     try:
@@ -137,8 +166,9 @@ def llama_cpp_rate(gguf_path: str, prompts: list[list[int]], max_new: int, threa
     llm = llama_cpp.Llama(gguf_path, n_threads=threads, n_threads_batch=threads, verbose=False,
                           n_ctx=2048)
     stop = set(eos_ids)
-    tokens = seconds = prefill = 0.0
-    for rep in range(2):  # the first pass warms up
+    passes = []
+    for rep in range(1 + repeats):  # the first pass warms up; the median of the others
+        tokens = seconds = prefill = 0.0
         for prompt in prompts:
             t0 = time.perf_counter()
             count = 0
@@ -149,12 +179,14 @@ def llama_cpp_rate(gguf_path: str, prompts: list[list[int]], max_new: int, threa
                     t1 = time.perf_counter()
                 if token in stop or count >= max_new:
                     break
-            if rep:
-                prefill += t1 - t0
-                seconds += time.perf_counter() - t1
-                tokens += count
-    return {"tokens_per_s": round(tokens / seconds, 2), "prefill_s": round(prefill, 3),
-            "new_tokens": int(tokens), "threads": threads, "version": llama_cpp.__version__}
+            prefill += t1 - t0
+            seconds += time.perf_counter() - t1
+            tokens += count
+        if rep:
+            passes.append(tokens / seconds)
+    return {"tokens_per_s": round(statistics.median(passes), 2), "prefill_s": round(prefill, 3),
+            "new_tokens": int(tokens), "threads": threads, "version": llama_cpp.__version__,
+            "passes": [round(p, 2) for p in passes]}
 
 
 #: the Hugging Face transformers runs: f32 greedy; with its prompt lookup drafting (its n-gram
@@ -166,7 +198,7 @@ HF_VARIANTS = ("f32", "f32_prompt_lookup", "int8_dynamic")
 def hf_rates(gguf_path: str, prompts: list[list[int]], max_new: int, threads: int,
              eos_ids) -> dict | str:
     """Hugging Face transformers greedy decoding (torch CPU, `threads` threads) over the same
-    token ids, per `HF_VARIANTS`, or why it did not run. Counted as specjax's `decode_rate`
+    token ids, per `HF_VARIANTS`, or why it did not run. Counted as specjax's `decode_pass`
     counts: the new tokens over the seconds after the first one (a 1-token generate of the
     same prompt, timed just before, is the prefill)."""
     try:
@@ -214,7 +246,9 @@ def main() -> None:
     ap.add_argument("--num-draft", type=lambda v: v if v == "auto" else int(v), default=4,
                     help="the drafters' draft length: an int (a chain), or auto (picked per step)")
     ap.add_argument("--bandwidth-gb", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="bandwidth sums (best of), and passes of each mode's decoding (median), "
+                         "the modes taking turns in a rotated order; llama.cpp's passes too")
     ap.add_argument("--no-hf", dest="hf", action="store_false",
                     help="skip the Hugging Face transformers runs (the hf extra)")
     ap.add_argument("--out", default=None)
@@ -236,11 +270,11 @@ def main() -> None:
         weights = stored_bytes(model.params)
         for name, texts in sets.items():
             prompts = [model.tokenizer.encode_chat(t) for t in texts]
-            ar = decode_rate(model, prompts, args.max_new)
+            rates = decode_rates(model, prompts, args.max_new, args.drafts, args.num_draft, args.repeats)
+            ar = rates.pop(None)
             step_bytes = weights + kv_bytes(model.cfg, ar["mean_length"])
             floor_ms = 1e3 * step_bytes / (floor_gb_s * 1e9)
-            drafted = {d: decode_rate(model, prompts, args.max_new, draft=d, num_draft=args.num_draft)
-                       for d in args.drafts}
+            drafted = rates
             best = max(drafted, key=lambda d: drafted[d]["tokens_per_s"]) if drafted else None
             results.setdefault(mode, {})[name] = {
                 "weight_bytes": weights, "step_bytes": int(step_bytes),
@@ -250,7 +284,7 @@ def main() -> None:
             print(mode, name, json.dumps(results[mode][name]), flush=True)
     gguf = str(f32.source)
     llama = {name: llama_cpp_rate(gguf, [f32.tokenizer.encode_chat(t) for t in texts],
-                                  args.max_new, os.cpu_count() or 1, f32.cfg.eos_token_ids)
+                                  args.max_new, os.cpu_count() or 1, f32.cfg.eos_token_ids, args.repeats)
              for name, texts in sets.items()}
     print("llama.cpp", llama, flush=True)
     hf = {name: hf_rates(gguf, [f32.tokenizer.encode_chat(t) for t in texts], args.max_new,

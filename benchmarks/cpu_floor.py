@@ -270,11 +270,10 @@ def main() -> None:
         weights = stored_bytes(model.params)
         for name, texts in sets.items():
             prompts = [model.tokenizer.encode_chat(t) for t in texts]
-            rates = decode_rates(model, prompts, args.max_new, args.drafts, args.num_draft, args.repeats)
-            ar = rates.pop(None)
+            drafted = decode_rates(model, prompts, args.max_new, args.drafts, args.num_draft, args.repeats)
+            ar = drafted.pop(None)
             step_bytes = weights + kv_bytes(model.cfg, ar["mean_length"])
             floor_ms = 1e3 * step_bytes / (floor_gb_s * 1e9)
-            drafted = rates
             best = max(drafted, key=lambda d: drafted[d]["tokens_per_s"]) if drafted else None
             results.setdefault(mode, {})[name] = {
                 "weight_bytes": weights, "step_bytes": int(step_bytes),

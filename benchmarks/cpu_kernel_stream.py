@@ -6,9 +6,10 @@ weights / KV cache cycled so that they do not stay in the (large, shared) L3.
 
 matmul: ms per 30 layers of the four int8 / int4 layer matmuls (576 x 960, 576 x 576,
 576 x 3072, 1536 x 576) at M = 1, 2, 3, 5 rows, and GB/s of weight bytes read, values and
-scales (min of 5 passes over the copies). int4 holds its values two a byte as `pack_params` does
-(`qmatmul_cpu.pack_int4`); int4-bytes one a byte, as before 2026-12-07. attention: us per `cache_attention` call at 752 keys (T = 1 and 3 new tokens) and
-97 keys. One-off measurements of kernel changes, not targets: docs/quantization.md quotes them.
+scales (min of 5 passes over the copies). int4 holds its values two a byte as `pack_params`
+does (`qmatmul_cpu.pack_int4`); int4-bytes one a byte, as before 2026-12-07. attention: us per
+`cache_attention` call at 752 keys (T = 1 and 3 new tokens) and 97 keys. One-off measurements
+of kernel changes, not targets: docs/quantization.md quotes them.
 """
 from __future__ import annotations
 

@@ -266,10 +266,9 @@ def pack_params(params: Params) -> Params:
             return BlockedKernel(_pack_jit(leaf))
         if not packs(leaf):
             return leaf
-        if jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4) and qmatmul_cpu.int4_packable(leaf.qvalue.shape):
-            return PackedKernel(_pack_int4_jit(leaf.qvalue), leaf.scale, None, "int4")
-        mode = "int4" if jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4) else "int8"
-        return PackedKernel(_pack_jit(leaf.qvalue), leaf.scale, None, mode)
+        int4 = jnp.dtype(leaf.qtype) == jnp.dtype(jnp.int4)
+        nibbles = int4 and qmatmul_cpu.int4_packable(leaf.qvalue.shape)  # two values a byte
+        return PackedKernel(_pack_jit(leaf.qvalue, nibbles), leaf.scale, None, "int4" if int4 else "int8")
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_held)
 
@@ -279,20 +278,14 @@ def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-@jax.jit
-def _pack_jit(values: jax.Array) -> jax.Array:
-    """`qmatmul_cpu.pack` of a stacked `[L, K, N]` or a single `[K, N]` kernel."""
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_jit(values: jax.Array, nibbles: bool = False) -> jax.Array:
+    """`qmatmul_cpu.pack` (nibbles: `pack_int4`) of a stacked `[L, K, N]` or a single `[K, N]`
+    kernel."""
+    pack = qmatmul_cpu.pack_int4 if nibbles else qmatmul_cpu.pack
     if values.ndim == 2:
-        return qmatmul_cpu.pack(values[None])[0]
-    return qmatmul_cpu.pack(values)
-
-
-@jax.jit
-def _pack_int4_jit(values: jax.Array) -> jax.Array:
-    """`qmatmul_cpu.pack_int4` of a stacked `[L, K, N]` or a single `[K, N]` kernel."""
-    if values.ndim == 2:
-        return qmatmul_cpu.pack_int4(values[None])[0]
-    return qmatmul_cpu.pack_int4(values)
+        return pack(values[None])[0]
+    return pack(values)
 
 
 @jax.jit

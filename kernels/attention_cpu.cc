@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_crew.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -327,9 +328,9 @@ void merge(const Shapes& sh, const float* q, const float* k_new, const float* v_
     }
 }
 
-// Runs body(i) for i in [0, n) on the calling thread and the helpers it schedules on XLA's
-// pool, items handed out one at a time to whichever thread asks next. Shared (heap) state, so a
-// helper the pool starts after the call has returned finds no item left and leaves.
+// Runs body(i) for i in [0, n) on the calling thread and the kernels' crew of helper threads
+// (cpu_crew.h), items handed out one at a time to whichever thread asks next. Shared (heap)
+// state, so a helper that comes after the call has returned finds no item left and leaves.
 struct Work {
   std::function<void(int64_t)> body;
   int64_t n = 0;
@@ -351,10 +352,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)>
   work->body = std::move(body);
   work->n = n;
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_items(*work); });
-  run_items(*work);
-  // Only items other threads took are left, and those threads are running them.
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  // Only items other threads took are left when the caller's loop ends, and those threads are
+  // running them.
+  specjax_crew::share(pool, threads - 1, [work] { run_items(*work); },
+                      [&] { return work->done.load(std::memory_order_acquire) >= n; });
 }
 
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,

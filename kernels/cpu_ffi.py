@@ -29,6 +29,8 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-march=native", "-fno-math-er
 _lock = threading.Lock()
 #: per source file: None when registered, else the reason it is not
 _state: dict[str, str | None] = {}
+#: the kernel libraries loaded in this process (`use_crew` switches each one)
+_libraries: list = []
 
 
 def switched_off(environ=os.environ) -> bool:
@@ -66,11 +68,18 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
+def with_headers(source: Path) -> list[Path]:
+    """`source` and the headers beside it (what it may include: `cpu_crew.h`)."""
+    source = Path(source)
+    return [source, *sorted(source.parent.glob("*.h"))]
+
+
 def source_digest(sources) -> str:
-    """A short hash of the kernels' source files (what a cached measurement of them depends on)."""
+    """A short hash of the kernels' source files and their headers (what a cached measurement
+    of them depends on)."""
     digest = hashlib.sha256()
-    for source in sources:
-        digest.update(Path(source).read_bytes())
+    for path in dict.fromkeys(p for source in sources for p in with_headers(source)):
+        digest.update(path.read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
@@ -79,7 +88,7 @@ def library_name(source: Path, cxx: str) -> str:
     """The cached library's file name: a hash of source, flags, compiler, CPU and headers."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    for part in (*(path.read_bytes() for path in with_headers(source)), " ".join(FLAGS).encode(), version.encode(),
                  _cpu_identity().encode(), jax.ffi.include_dir().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -109,6 +118,15 @@ def build(source: Path, folder: Path) -> Path:
     return target
 
 
+def use_crew(on: bool = True) -> None:
+    """Whether the loaded kernels share a call's work with their own crew of helper threads
+    (True, the default; `cpu_crew.h` says why) or with tasks on XLA's intra-op pool (False, as
+    before the crew). Results are bit-identical either way; for A/B measurements
+    (`benchmarks/cpu_kernel_threads.py`)."""
+    for library in _libraries:
+        library.specjax_crew_enable(ctypes.c_int32(1 if on else 0))
+
+
 def available(source: Path, handlers: dict[str, str], folder: Path) -> str | None:
     """None when `source`'s handlers (FFI target name -> exported symbol) are registered with
     XLA (built into `folder` if needed, once per process), else the reason they are not
@@ -123,7 +141,9 @@ def _register(source: Path, handlers: dict[str, str], folder: Path) -> str | Non
     if switched_off():
         return f"{ENV_SWITCH}=0"
     try:
-        library = ctypes.cdll.LoadLibrary(str(build(source, folder)))
+        # RTLD_GLOBAL: the kernel libraries share one crew of helper threads (cpu_crew.h)
+        library = ctypes.CDLL(str(build(source, folder)), mode=ctypes.RTLD_GLOBAL)
+        _libraries.append(library)
         for target, symbol in handlers.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")

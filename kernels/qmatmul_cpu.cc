@@ -1,7 +1,7 @@
 // Matmuls over a stack of layer kernels read in place, for XLA CPU through the XLA FFI
 // (kernels/qmatmul_cpu.py). A call multiplies one x by a group of kernels of one kind (the
 // operands x, layer, then each kernel's; a result each): their column blocks are shared out
-// over the thread pool together, one hand-off for q / k / v or gate / up. Two kinds:
+// over the helper threads together, one hand-off for q / k / v or gate / up. Two kinds:
 //
 // Weight-only int8 (SpecjaxQMatmulInt8):
 //   y[m, n] = sum_k x[m, k] * w[layer, k, n] * s[layer, k / (K / G), n]
@@ -46,7 +46,7 @@
 // thread that computes it: a row's result does not depend on the other rows (batch-invariant).
 // The weights are read once per tile of up to 6 rows of x (a tile of 1-3 rows takes 2-4 column
 // blocks at once); the tiles of one column block re-read it from L1 / L2. Column blocks are
-// shared out over the intra-op thread pool XLA hands to the call.
+// shared out over the calling thread and the kernels' crew of helper threads (cpu_crew.h).
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +60,7 @@
 #include <vector>
 #include <thread>
 
+#include "cpu_crew.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__)
@@ -694,8 +695,8 @@ int64_t units(const RowsProblem<W>& p) { return p.m == 0 ? 0 : (p.n + kRowsUnit 
 
 // The units of one call (the column blocks of every kernel of its group, one after the other;
 // or a rows problem's outputs), handed out in chunks to whichever thread asks next: the calling
-// thread and the helpers it scheduled on XLA's pool. Shared (heap) state, so a helper the pool starts after the call has returned finds
-// no chunk left and leaves.
+// thread and the crew's helpers (cpu_crew.h). Shared (heap) state, so a helper that comes after
+// the call has returned finds no chunk left and leaves.
 template <typename P>
 struct Work {
   std::vector<P> problems;
@@ -726,7 +727,7 @@ int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 }
 
 // Runs the call: the column blocks of all its kernels shared out over the calling thread and
-// XLA's pool (one hand-off for the group: kernels of one input, e.g. q / k / v, go together).
+// the crew (one hand-off for the group: kernels of one input, e.g. q / k / v, go together).
 template <typename P>
 ffi::Error run(ffi::ThreadPool& pool, std::vector<P> problems,
                std::shared_ptr<const void> keep = nullptr) {
@@ -739,11 +740,11 @@ ffi::Error run(ffi::ThreadPool& pool, std::vector<P> problems,
   if (nblocks == 0) return ffi::Error::Success();
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), nblocks);
   work->chunk = std::max<int64_t>(1, nblocks / (4 * threads));
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { run_chunks(*work); });
-  run_chunks(*work);
-  // Only chunks other threads took are left, and those threads are running them: waiting for
-  // them cannot deadlock (a helper that starts later finds nothing left and touches nothing).
-  while (work->done.load(std::memory_order_acquire) < nblocks) std::this_thread::yield();
+  // Only chunks other threads took are left when the caller's loop ends, and those threads are
+  // running them: waiting for them cannot deadlock (a helper that comes later finds nothing
+  // left and touches nothing).
+  specjax_crew::share(pool, threads - 1, [work] { run_chunks(*work); },
+                      [&] { return work->done.load(std::memory_order_acquire) >= nblocks; });
   return ffi::Error::Success();
 }
 

@@ -12,12 +12,15 @@
 // microseconds in a decoding loop), then sleeps until the next. A job is published, not
 // queued: helpers take the newest, and the caller runs whatever chunks no helper took, so a
 // call's result never waits on a helper that did not come (several devices' programs calling
-// at once, a forked child with no crew threads, a machine whose pool is one thread).
+// at once, a forked child with no crew threads, a machine whose pool is one thread). A helper
+// runs a job in the caller's floating-point environment (XLA's threads flush subnormals to
+// zero), so a unit's result does not depend on the thread that computes it.
 #pragma once
 
 #include <pthread.h>
 
 #include <atomic>
+#include <cfenv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -136,7 +139,12 @@ void share(Pool& pool, int64_t helpers, Take take, Finished finished) {
   uint64_t published = 0;
   if (helpers > 0 && enabled.load(std::memory_order_relaxed)) {
     crew = static_cast<Crew*>(specjax_crew_with(helpers));
-    published = crew->publish(take);
+    std::fenv_t env;  // the caller's floating-point environment (XLA's threads flush subnormals)
+    fegetenv(&env);
+    published = crew->publish([take, env] {
+      fesetenv(&env);  // a unit's result must not depend on the thread that computes it
+      take();
+    });
   } else {
     for (int64_t t = 0; t < helpers; ++t) pool.Schedule(Take(take));
   }

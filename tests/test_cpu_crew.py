@@ -91,3 +91,17 @@ def test_callers_on_several_threads_each_get_their_own_results():
     for t in threads:
         t.join()
     assert not failures, failures[0]
+
+
+def test_crew_threads_compute_in_the_callers_floating_point_environment(crew_restored):
+    """XLA's threads flush subnormals to zero; a crew thread computes its units the same way
+    (it takes the caller's environment with each job), so a row's result does not depend on
+    the thread that computed it. Subnormal inputs whose sums would be normal numbers."""
+    x = jnp.full((8, 96), 1e-39, jnp.float32)
+    stack = jnp.ones((2, 96, 8192), jnp.float32)  # 512 column blocks: the crew takes some
+    want = np.asarray(jax.jit(lambda a, w: a @ w[0])(x, stack))
+    run = jax.jit(qmatmul_cpu.matmul)
+    for on in (False, True):
+        cpu_ffi.use_crew(on)
+        for _ in range(20):  # calls in a row: the crew is awake and takes units
+            np.testing.assert_array_equal(np.asarray(run(x, stack, 0)), want)

@@ -56,9 +56,9 @@ def test_the_crew_computes_what_xlas_pool_computed(m, crew_restored):
     cpu_ffi.use_crew(False)
     pool = kernel_outputs(m)
     cpu_ffi.use_crew(True)
-    crew = kernel_outputs(m)
-    for a, b in zip(pool, crew):
-        np.testing.assert_array_equal(a, b)
+    for _ in range(5):  # calls in a row: a crew thread asleep at the first may miss its units
+        for a, b in zip(pool, kernel_outputs(m)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_both_kernel_libraries_share_one_crew():

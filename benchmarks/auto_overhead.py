@@ -2,10 +2,12 @@
 
     python benchmarks/auto_overhead.py --batch 1 --num-draft 4 --repeats 5 [--draft ngram|suffix]
 
-SmolLM2-135M f32, n-gram (or `--draft suffix`), one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
-pass by pass: `static` (`num_draft=D`) and `forced` (`AutoDrafter.wrap(ngram, (0, D))` with
-D priced far below a plain step, so every step picks D: the same steps inside auto's
-`lax.switch` and in-branch `while_loop`). Prints the median ms per decoding step (decode
+SmolLM2-135M (f32, or `--mode int8|int4`: packed layer kernels), n-gram (or `--draft suffix`),
+one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
+pass by pass: `static` (`num_draft=D`), `forced` (the default auto's chains, `BASE_LENGTHS`
+and D, with D priced far below the rest, so every step picks D: the chains run in one loop at
+the longest, the nodes deeper than D dead rows of the verify, `AutoDrafter.merged`) and
+`separate` (the same with `merge=False`: a loop and a target forward per chain length). Prints the median ms per decoding step (decode
 seconds / steps, compile excluded; static batches, `refill=False`, so that the prefill is timed
 apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and
 checks that both emit the same tokens (docs/measure_and_tune.md quotes a run), and each
@@ -22,9 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_floor import model_in
 
 import specjax
 from specjax.drafters.auto import BASE_LENGTHS, AutoDrafter, AutoParams
@@ -42,17 +50,20 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--draft", choices=("ngram", "suffix"), default="ngram")
+    ap.add_argument("--mode", choices=("float32", "int8", "int4"), default="float32")
     args = ap.parse_args()
-    model = load_model("smollm2-135m", dtype="float32")
+    model = model_in(load_model("smollm2-135m", dtype="float32"), args.mode)
     prompts = [[1 + (7 * i + j) % 500 for j in range(200)] for i in range(args.batch)]
     plain_only = args.num_draft == 0
     inner = {"ngram": NgramDrafter, "suffix": SuffixDrafter}[args.draft](tree=chain(1))
-    lengths = BASE_LENGTHS if plain_only else (0, args.num_draft)
+    lengths = tuple(sorted(set(BASE_LENGTHS) | {args.num_draft}))
     forced = AutoDrafter.wrap(inner, lengths)
-    step_s = [1e-3] + [1.0] * (len(lengths) - 1) if plain_only else [1.0, 1e-3]  # the forced shape: far the cheapest
+    step_s = [1e-3 if d == args.num_draft else 1.0 for d in lengths]  # the forced shape: far the cheapest
     costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
     modes = {"static": {} if plain_only else {"draft": args.draft, "num_draft": args.num_draft},
              "forced": {"draft": (forced, costs)}}
+    if not plain_only:
+        modes["separate"] = {"draft": (dataclasses.replace(forced, merge=False), costs)}
     if plain_only:
         modes["watch1"] = {"draft": (dataclasses.replace(forced, watch=1), costs)}
     names = list(modes)
@@ -74,7 +85,7 @@ def main() -> None:
     print({name: [round(x, 2) for x in v] for name, v in ms.items()})
     print("prefill ms (median):", {name: round(statistics.median(v), 1) for name, v in prefill_ms.items()})
     paired = {name: statistics.median(a / b for a, b in zip(ms[name], ms["static"])) for name in names[1:]}
-    print(f"{args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, " + ", ".join(
+    print(f"{args.mode} {args.draft} B={args.batch} D={args.num_draft}: static {med['static']:.2f} ms/step, " + ", ".join(
         f"{name} {med[name]:.2f} ms/step, {name}/static {med[name] / med['static']:.3f} (paired "
         f"{paired[name]:.3f})" for name in names[1:]) +
         f"; same tokens: {all(tokens[name] == tokens['static'] for name in names)}")

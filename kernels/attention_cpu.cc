@@ -23,6 +23,10 @@
 // new token whose key or value is not finite, gets NaN; a new token's bad value never reaches a
 // query that cannot see it. Cached entries are trusted finite (models/cache.py stores them so).
 // A query that sees nothing gets zeros.
+//
+// A new token the mask does not let see itself (mask[b, t, t] == 0) is dead: its output is
+// zeros and nothing is computed for it (a verify's rows for draft nodes deeper than the step's
+// draft, specjax.verify). The live queries' results are the same whatever the dead ones.
 
 #include <algorithm>
 #include <atomic>
@@ -98,12 +102,26 @@ struct Head {
   int64_t length;
 };
 
-// The G query heads x T tokens of (b, h) as R rows of Dh, scaled: row r = g * T + t.
-void gather_queries(const Shapes& sh, const float* q, int64_t b, int64_t h, float scale, float* rows) {
+// The live tokens of each row: row b's count and its tokens' indices, in order.
+struct Live {
+  std::vector<int64_t> count, tokens;  // [B], [B, T] (row b's first count[b])
+
+  Live(const Shapes& sh, const int8_t* mask) : count(sh.B, 0), tokens(sh.B * sh.T) {
+    for (int64_t b = 0; b < sh.B; ++b)
+      for (int64_t t = 0; t < sh.T; ++t)
+        if (mask[(b * sh.T + t) * sh.T + t] != 0) tokens[b * sh.T + count[b]++] = t;
+  }
+  const int64_t* of(int64_t b) const { return tokens.data() + b * (tokens.size() / count.size()); }
+};
+
+// The G query heads x the n live tokens ts of (b, h) as G n rows of Dh, scaled: row g * n + i
+// is token ts[i].
+void gather_queries(const Shapes& sh, const float* q, int64_t b, int64_t h, float scale,
+                    const int64_t* ts, int64_t n, float* rows) {
   for (int64_t g = 0; g < sh.G; ++g)
-    for (int64_t t = 0; t < sh.T; ++t) {
-      const float* src = q + ((b * sh.T + t) * sh.Hq + h * sh.G + g) * sh.Dh;
-      float* dst = rows + (g * sh.T + t) * sh.Dh;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* src = q + ((b * sh.T + ts[i]) * sh.Hq + h * sh.G + g) * sh.Dh;
+      float* dst = rows + (g * n + i) * sh.Dh;
       for (int64_t d = 0; d < sh.Dh; ++d) dst[d] = src[d] * scale;
     }
 }
@@ -216,21 +234,25 @@ struct Scratch {
 
 thread_local Scratch scratch;
 
-// A partial softmax over one chunk: per query row its max, its sum of exp(score - max) and
-// the values weighted by those; laid out [R] max, [R] sum, [R, Dh] values.
+// A partial softmax over one chunk: per query row of the live tokens (`gather_queries`' rows,
+// the first G x live.count[b] of R) its max, its sum of exp(score - max) and the values
+// weighted by those; laid out [R] max, [R] sum, [R, Dh] values.
 void chunk_partial(const Shapes& sh, const float* q, float scale, int64_t b, int64_t h,
-                   const Head& head, int64_t s0, float* partial) {
+                   const Head& head, int64_t s0, const Live& live, float* partial) {
   const int64_t n = std::min(kChunk, head.length - s0);
   const int64_t stride = (n + 15) / 16 * 16;
-  scratch.rows.resize(sh.R * sh.Dh);
-  scratch.scores.resize(sh.R * stride);
-  gather_queries(sh, q, b, h, scale, scratch.rows.data());
+  Shapes rows_of = sh;  // the live rows only
+  rows_of.R = sh.G * live.count[b];
+  if (rows_of.R == 0) return;
+  scratch.rows.resize(rows_of.R * sh.Dh);
+  scratch.scores.resize(rows_of.R * stride);
+  gather_queries(sh, q, b, h, scale, live.of(b), live.count[b], scratch.rows.data());
   float* scores = scratch.scores.data();
-  chunk_scores(sh, scratch.rows.data(), head.k, head.v, s0, n, scores, stride);
+  chunk_scores(rows_of, scratch.rows.data(), head.k, head.v, s0, n, scores, stride);
   float* maxes = partial;
   float* sums = partial + sh.R;
   float* values = partial + 2 * sh.R;
-  for (int64_t r = 0; r < sh.R; ++r) {
+  for (int64_t r = 0; r < rows_of.R; ++r) {
     float* row = scores + r * stride;
     float m = -std::numeric_limits<float>::infinity();
     bool nan = false;
@@ -262,10 +284,11 @@ bool finite(const float* x, int64_t n) {
   return acc == 0.0f;
 }
 
-// Query rows of (b, h): the chunks' partials and the visible new tokens under one softmax.
+// Query rows of (b, h): the chunks' partials and the visible new tokens under one softmax (a
+// dead token's rows: zeros).
 void merge(const Shapes& sh, const float* q, const float* k_new, const float* v_new,
            const int8_t* mask, float scale, int64_t b, int64_t h, const float* partials,
-           int64_t chunks, float* out) {
+           int64_t chunks, const Live& live, float* out) {
   const int64_t Dh = sh.Dh;
   std::vector<float> query(Dh), acc(Dh), scores(sh.T);
   std::vector<char> visible(sh.T), good(sh.T);
@@ -274,11 +297,18 @@ void merge(const Shapes& sh, const float* q, const float* k_new, const float* v_
     const float* vj = v_new + ((b * sh.T + j) * sh.KVH + h) * Dh;
     good[j] = finite(kj, Dh) && finite(vj, Dh);
   }
+  const int64_t alive = live.count[b];
+  std::vector<int64_t> index(sh.T, -1);  // token t's place among the live ones (-1: dead)
+  for (int64_t i = 0; i < alive; ++i) index[live.of(b)[i]] = i;
   for (int64_t g = 0; g < sh.G; ++g)
     for (int64_t t = 0; t < sh.T; ++t) {
-      const int64_t r = g * sh.T + t;
+      const int64_t r = g * alive + index[t];
       const float* qr = q + ((b * sh.T + t) * sh.Hq + h * sh.G + g) * Dh;
       float* dst = out + ((b * sh.T + t) * sh.Hq + h * sh.G + g) * Dh;
+      if (index[t] < 0) {
+        std::fill(dst, dst + Dh, 0.0f);
+        continue;
+      }
       for (int64_t d = 0; d < Dh; ++d) query[d] = qr[d] * scale;
       bool nan = false, any = chunks > 0;
       float m = -std::numeric_limits<float>::infinity();
@@ -328,36 +358,6 @@ void merge(const Shapes& sh, const float* q, const float* k_new, const float* v_
     }
 }
 
-// Runs body(i) for i in [0, n) on the calling thread and the kernels' crew of helper threads
-// (cpu_crew.h), items handed out one at a time to whichever thread asks next. Shared (heap)
-// state, so a helper that comes after the call has returned finds no item left and leaves.
-struct Work {
-  std::function<void(int64_t)> body;
-  int64_t n = 0;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void run_items(Work& work) {
-  for (;;) {
-    const int64_t i = work.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= work.n) return;
-    work.body(i);
-    work.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> body) {
-  if (n <= 0) return;
-  auto work = std::make_shared<Work>();
-  work->body = std::move(body);
-  work->n = n;
-  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  // Only items other threads took are left when the caller's loop ends, and those threads are
-  // running them.
-  specjax_crew::share(pool, threads - 1, [work] { run_items(*work); },
-                      [&] { return work->done.load(std::memory_order_acquire) >= n; });
-}
-
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                           ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
@@ -399,21 +399,22 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   partials.resize(std::max<int64_t>(items * per_item, 1));
   float* parts = partials.data();
   const float* qp = q.typed_data();
-  parallel_for(pool, items, [&](int64_t i) {
+  const Live live(sh, mask.typed_data());
+  specjax_crew::parallel_for(pool, items, [&](int64_t i) {
     const int64_t bh = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
     chunk_partial(sh, qp, scale, bh / sh.KVH, bh % sh.KVH, heads[bh], (i - first[bh]) * kChunk,
-                  parts + i * per_item);
+                  live, parts + i * per_item);
   });
   auto merge_one = [&](int64_t bh) {
     merge(sh, qp, k_new.typed_data(), v_new.typed_data(), mask.typed_data(), scale, bh / sh.KVH,
-          bh % sh.KVH, parts + first[bh] * per_item, first[bh + 1] - first[bh], out->typed_data());
+          bh % sh.KVH, parts + first[bh] * per_item, first[bh + 1] - first[bh], live, out->typed_data());
   };
   // The merge reads (chunks + T) x Dh numbers a query row: below ~64K of them for the whole
   // call, handing it out costs more than it saves.
   if (sh.B * sh.KVH * sh.R * (items / (sh.B * sh.KVH) + 1 + sh.T) * sh.Dh < (1 << 16)) {
     for (int64_t bh = 0; bh < sh.B * sh.KVH; ++bh) merge_one(bh);
   } else {
-    parallel_for(pool, sh.B * sh.KVH, merge_one);
+    specjax_crew::parallel_for(pool, sh.B * sh.KVH, merge_one);
   }
   return ffi::Error::Success();
 }

@@ -12,6 +12,9 @@ buffer, masked, however much of it the rows hold: at decode both are the cache's
 (docs/quantization.md). The kernel reads each row's prefix `[0, lengths[b])` only, in place,
 chunk by chunk (`kernels/attention_cpu.cc`), f32, and a row's result does not depend on the
 other rows. Differentiable (the backward pass is the reference's) and vmappable (a map).
+A new token the mask does not let see itself (`tree_mask[b, t, t]` False) is dead: its
+output is zeros and the kernel computes nothing for it (a verify's rows for draft nodes deeper
+than the step's draft, `specjax.verify`); `cache_attention_reference` zeroes those rows too.
 
 f32 queries and cache only; the caller (`models.llama`) keeps XLA's path for other dtypes, on
 a device mesh, and when the kernel is not available (`available()`: `SPECJAX_CPU_KERNELS=0`,
@@ -42,9 +45,12 @@ def available(folder: Path) -> str | None:
 
 def cache_attention_reference(q, k_new, v_new, k_stack, v_stack, layer, lengths, tree_mask, *,
                               scale: float | None = None) -> jax.Array:
-    """`verify_attention_reference` over layer `layer` (int32 `[]`) of the stacked cache."""
+    """`verify_attention_reference` over layer `layer` (int32 `[]`) of the stacked cache, a dead
+    token's rows (`tree_mask[b, t, t]` False) zeros."""
     k_cache, v_cache = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (k_stack, v_stack))
-    return verify_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask, scale=scale)
+    out = verify_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, tree_mask, scale=scale)
+    live = jnp.diagonal(tree_mask, axis1=1, axis2=2)[:, :, None, None]
+    return jnp.where(live, out, jnp.zeros((), out.dtype))
 
 
 def cache_attention(q, k_new, v_new, k_stack, v_stack, layer, lengths, tree_mask, *,

@@ -19,12 +19,14 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cfenv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -151,6 +153,38 @@ void share(Pool& pool, int64_t helpers, Take take, Finished finished) {
   take();
   while (!finished()) std::this_thread::yield();
   if (crew != nullptr) crew->retire(published);
+}
+
+
+// Runs body(i) for i in [0, n) on the calling thread and the crew, items handed out one at a
+// time to whichever thread asks next. Shared (heap) state, so a helper that comes after the
+// call has returned finds no item left and leaves.
+struct Items {
+  std::function<void(int64_t)> body;
+  int64_t n = 0;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+inline void run_items(Items& items) {
+  for (;;) {
+    const int64_t i = items.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= items.n) return;
+    items.body(i);
+    items.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename Pool>
+void parallel_for(Pool& pool, int64_t n, std::function<void(int64_t)> body) {
+  if (n <= 0) return;
+  auto items = std::make_shared<Items>();
+  items->body = std::move(body);
+  items->n = n;
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
+  // Only items other threads took are left when the caller's loop ends, and those threads are
+  // running them.
+  share(pool, threads - 1, [items] { run_items(*items); },
+        [&] { return items->done.load(std::memory_order_acquire) >= n; });
 }
 
 }  // namespace specjax_crew

@@ -42,6 +42,11 @@
 // y    f32 [M, N]
 // Each output is 8 f32 partial sums over k = i mod 8, in order, then summed in a fixed order.
 //
+// Every kind takes a third operand after layer, live s32 [M] or [0]: where it holds a flag per
+// row of x, the rows flagged 0 are dead: their outputs are zeros and their inputs are not read
+// (the verify rows of a draft shorter than its program's widest, specjax.verify). [0]: every
+// row is live. A live row's outputs are the same whatever the other rows (below).
+//
 // Each output of the column kinds is one f32 sum over k in order (an FMA chain), whatever M, the row tile or the
 // thread that computes it: a row's result does not depend on the other rows (batch-invariant).
 // The weights are read once per tile of up to 6 rows of x (a tile of 1-3 rows takes 2-4 column
@@ -166,7 +171,12 @@ struct Problem {
   bool nibbles = false;  // int4 values two a byte (w: the bytes; row_stride 16, K / 2 byte rows)
   const Digits* digits = nullptr;  // int8, integer path: x as digits (`digits_of`)
   const int32_t* digit_sums = nullptr;  // and their sums over this kernel's scale blocks
+  const int64_t* y_rows = nullptr;  // x's row m is y's row y_rows[m] (live rows: `compact`); null: m
 };
+
+// The row of y that x's row m writes.
+template <typename P>
+inline int64_t y_row(const P& p, int64_t m) { return p.y_rows ? p.y_rows[m] : m; }
 
 // Rows [m0, m0 + MT) x the NB column blocks at `block` (columns [n0, n0 + 16 NB)); `row_stride`
 // from one row of a block to the next. A tile of few rows takes several blocks at once: each
@@ -225,8 +235,8 @@ void tile_at(const Problem<W>& p, const W* block, int64_t row_stride, int64_t bl
         acc[r][b][0] *= load_f32(p.s + n0 + b * kBlock);
         acc[r][b][1] *= load_f32(p.s + n0 + b * kBlock + 8);
       }
-      store_f32(p.y + (m0 + r) * p.n + n0 + b * kBlock, acc[r][b][0]);
-      store_f32(p.y + (m0 + r) * p.n + n0 + b * kBlock + 8, acc[r][b][1]);
+      store_f32(p.y + y_row(p, m0 + r) * p.n + n0 + b * kBlock, acc[r][b][0]);
+      store_f32(p.y + y_row(p, m0 + r) * p.n + n0 + b * kBlock + 8, acc[r][b][1]);
     }
 }
 
@@ -418,7 +428,7 @@ void digits_tile(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
         const __m512d sum = _mm512_add_pd(
             v[0], _mm512_div_pd(_mm512_add_pd(v[1], _mm512_div_pd(v[2], base)), base));
         const __m512d scale = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(p.s + n0 + 8 * half)), s0);
-        _mm256_storeu_ps(p.y + row * p.n + n0 + 8 * half, _mm512_cvtpd_ps(_mm512_mul_pd(scale, sum)));
+        _mm256_storeu_ps(p.y + y_row(p, row) * p.n + n0 + 8 * half, _mm512_cvtpd_ps(_mm512_mul_pd(scale, sum)));
       }
     }
   }
@@ -462,7 +472,7 @@ void digits_tile_grouped(const Problem<int8_t>& p, int64_t jb, int64_t m0) {
   for (int r = 0; r < MT; ++r) {
     const __m512 s0 = _mm512_set1_ps(dg.s0[m0 + r]);
     for (int b = 0; b < NB; ++b)
-      _mm512_storeu_ps(p.y + (m0 + r) * p.n + (jb + b) * kBlock, _mm512_mul_ps(total[r][b], s0));
+      _mm512_storeu_ps(p.y + y_row(p, m0 + r) * p.n + (jb + b) * kBlock, _mm512_mul_ps(total[r][b], s0));
   }
 }
 
@@ -628,6 +638,7 @@ struct RowsProblem {
   const W* w;      // [N, K]
   float* y;        // [M, N]
   int64_t m, k, n;
+  const int64_t* y_rows = nullptr;  // as Problem's
 };
 
 constexpr int64_t kRowsUnit = 16;  // outputs per unit of work handed out
@@ -652,7 +663,7 @@ void rows_tile(const RowsProblem<W>& p, int64_t n0, int64_t m0) {
   for (int r = 0; r < MT; ++r)
     for (int c = 0; c < NR; ++c) {
       const v8f a = acc[r][c];
-      p.y[(m0 + r) * p.n + n0 + c] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+      p.y[y_row(p, m0 + r) * p.n + n0 + c] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
     }
 }
 
@@ -703,7 +714,7 @@ struct Work {
   std::vector<int64_t> first;  // problems[i]'s blocks are [first[i], first[i + 1])
   int64_t nblocks = 0, chunk = 1;
   std::atomic<int64_t> next{0}, done{0};
-  std::shared_ptr<const void> keep;  // what the problems point into (the int8 digits)
+  std::shared_ptr<const void> keep;  // what the problems point into (the int8 digits, the live rows)
 };
 
 template <typename P>
@@ -759,6 +770,38 @@ ffi::Error check_rows(const char* name, int64_t x_count, int64_t y_count, int64_
   if (y_count != M * N) return invalid(kernel + ": output size is not M x N");
   if (layer < 0 || layer >= L) return invalid(kernel + ": layer index out of range");
   return ffi::Error::Success();
+}
+
+// The live rows of a call's x (one copy, [M', K]) and the rows of y they write.
+struct Compact {
+  std::vector<float> x;
+  std::vector<int64_t> rows;
+};
+
+// Points every problem of a call (one x) at the live rows of x (`live` s32 [M] or [0]: every row
+// live) and zeroes the dead rows of each y -> what the problems point into (null when every
+// row is live: the problems are untouched).
+template <typename P>
+ffi::ErrorOr<std::shared_ptr<Compact>> compact(const ffi::Buffer<ffi::S32>& live, std::vector<P>& problems) {
+  if (live.element_count() == 0 || problems.empty()) return std::shared_ptr<Compact>();
+  const int64_t M = problems[0].m, K = problems[0].k;
+  if (live.element_count() != M)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("matmul: live must hold a flag per row of x"));
+  const int32_t* flags = live.typed_data();
+  auto out = std::make_shared<Compact>();
+  for (int64_t m = 0; m < M; ++m)
+    if (flags[m] != 0) out->rows.push_back(m);
+  const int64_t kept = out->rows.size();
+  if (kept == M) return std::shared_ptr<Compact>();
+  out->x.resize(kept * K);
+  for (int64_t i = 0; i < kept; ++i)
+    std::memcpy(out->x.data() + i * K, problems[0].x + out->rows[i] * K, K * sizeof(float));
+  for (auto& p : problems) {
+    for (int64_t m = 0; m < M; ++m)
+      if (flags[m] == 0) std::memset(p.y + m * p.n, 0, p.n * sizeof(float));
+    p.x = out->x.data(), p.m = kept, p.y_rows = out->rows.data();
+  }
+  return out;
 }
 
 ffi::ErrorOr<int64_t> layer_of(ffi::Buffer<ffi::S32>& layer) {
@@ -840,7 +883,7 @@ ffi::ErrorOr<Problem<W>> blocks_problem(const float* x, int64_t x_count, ffi::An
 
 // x @ each int8 kernel of the group: args (w_0, s_0, w_1, s_1, ...), results (y_0, y_1, ...).
 ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+                       ffi::Buffer<ffi::S32> live, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto l = layer_of(layer);
   if (l.has_error()) return l.error();
   if (args.size() != 2 * rets.size() || rets.size() == 0)
@@ -855,6 +898,8 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
+  auto rows = compact(live, problems);
+  if (rows.has_error()) return rows.error();
   // The integer path for each kernel whose scale blocks hold a multiple of 4 inputs (8 for int4
   // two a byte; one scale a channel; int4's blocks of 32); x's digits made once for the group.
   std::shared_ptr<Digits> digits;
@@ -862,11 +907,12 @@ ffi::Error QMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (!kInt8Digits || p.m == 0 || p.k > kMaxDigitsK || p.groups <= 0 || p.k % p.groups != 0 ||
         (p.k / p.groups) % (p.nibbles ? 8 : 4) != 0)
       continue;
-    if (!digits) digits = digits_of(x.typed_data(), p.m, p.k);
+    if (!digits) digits = digits_of(p.x, p.m, p.k);
     p.digits = digits.get();
     p.digit_sums = digits->sums_for(p.groups);
   }
-  return run(pool, std::move(problems), std::move(digits));
+  return run(pool, std::move(problems), std::make_shared<std::pair<std::shared_ptr<Compact>, std::shared_ptr<Digits>>>(
+                                            std::move(*rows), std::move(digits)));
 }
 
 // One rows-layout kernel: w [L, N, K] as stored (K a multiple of 8).
@@ -893,7 +939,7 @@ ffi::ErrorOr<RowsProblem<W>> rows_problem(const float* x, int64_t x_count, ffi::
 template <typename P, ffi::ErrorOr<P> (*Make)(const float*, int64_t, ffi::AnyBuffer,
                                                ffi::Result<ffi::AnyBuffer>, int64_t)>
 ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+                       ffi::Buffer<ffi::S32> live, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto l = layer_of(layer);
   if (l.has_error()) return l.error();
   if (args.size() != rets.size() || rets.size() == 0) return invalid("matmul: a kernel per result");
@@ -906,13 +952,15 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (p.has_error()) return p.error();
     problems.push_back(*p);
   }
-  return run(pool, std::move(problems));
+  auto rows = compact(live, problems);
+  if (rows.has_error()) return rows.error();
+  return run(pool, std::move(problems), std::move(*rows));
 }
 
 #define SPECJAX_FLOAT_KIND(name, P, Make)                                                      \
   ffi::Error name(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, \
-                  ffi::RemainingArgs args, ffi::RemainingRets rets) {                         \
-    return MatmulFloat<P, Make>(pool, x, layer, args, rets);                                  \
+                  ffi::Buffer<ffi::S32> live, ffi::RemainingArgs args, ffi::RemainingRets rets) { \
+    return MatmulFloat<P, Make>(pool, x, layer, live, args, rets);                            \
   }
 
 SPECJAX_FLOAT_KIND(MatmulF32, Problem<float>, float_problem<float>)
@@ -929,6 +977,7 @@ SPECJAX_FLOAT_KIND(MatmulRowsBF16, RowsProblem<uint16_t>, rows_problem<uint16_t>
                                 ffi::Ffi::Bind()                                 \
                                     .Ctx<ffi::ThreadPool>()                      \
                                     .Arg<ffi::Buffer<ffi::F32>>()                \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                \
                                     .Arg<ffi::Buffer<ffi::S32>>()                \
                                     .RemainingArgs()                             \
                                     .RemainingRets());

@@ -10,6 +10,12 @@ FFI, and their jnp references.
     y = matmul_rows(x, stack, layer)         # rows as stored f32 / bf16 [L, N, K]: x @ stack[layer].T
     y = matmul_rows_reference(x, stack, layer)
 
+Each takes `live` too (keyword, default None): `[...]` bool, x's leading shape. A row flagged
+False is dead: its outputs are zeros and the kernel neither reads its input nor computes it
+(a verify's rows for draft nodes deeper than the step's draft, `specjax.verify`: one program
+at the widest draft serves every shorter one at its own cost). The references take the
+outputs of every row; `with_dead_rows` zeroes the dead ones.
+
 `y = x @ (w[layer] * scale[layer])`, the scale per output channel (`[L, 1, N]`) or per block of
 K / G inputs (`[L, G, N]`); int4 values are held two a byte (`pack_int4`: half int8's bytes,
 which a decode step reads all of). Why a kernel: XLA CPU dequantizes an int8 kernel to f32 in a fusion
@@ -193,15 +199,17 @@ def matmul_blocks_reference(x: jax.Array, blocks: jax.Array, layer: jax.Array | 
     return matmul_reference(x, unpack(one), 0)
 
 
-def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int) -> jax.Array:
+def qmatmul(x: jax.Array, packed: jax.Array, scale: jax.Array, layer: jax.Array | int,
+            live: jax.Array | None = None) -> jax.Array:
     """x f32 `[..., K]`, packed int8 `[L, N/16, K, 16]` (or uint8 `[L, N/16, K/2, 16]`:
     `pack_int4`), scale f32 `[L, G, N]`, layer int32 `[]`
     -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes it).
-    Differentiable in x and scale (the backward pass is the reference's)."""
-    return qmatmul_group(x, [(packed, scale)], layer)[0]
+    Differentiable in x and scale (the backward pass is the reference's). live: dead rows (the module docstring)."""
+    return qmatmul_group(x, [(packed, scale)], layer, live)[0]
 
 
-def qmatmul_group(x: jax.Array, kernels, layer: jax.Array | int) -> list[jax.Array]:
+def qmatmul_group(x: jax.Array, kernels, layer: jax.Array | int,
+                  live: jax.Array | None = None) -> list[jax.Array]:
     """`qmatmul` of one x by each (packed, scale) of `kernels` (of one K), in one call: one
     hand-off to the thread pool for the group (q / k / v, gate / up)."""
     for packed, scale in kernels:
@@ -210,20 +218,23 @@ def qmatmul_group(x: jax.Array, kernels, layer: jax.Array | int) -> list[jax.Arr
             raise ValueError(f"qmatmul: x {x.shape}, packed {packed.shape} and scale {scale.shape} "
                              "do not fit")
     weights = tuple((packed, scale.astype(jnp.float32)) for packed, scale in kernels)
-    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), weights))
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), live_flags(x, live), weights))
 
 
-def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
+def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array | int,
+           live: jax.Array | None = None) -> jax.Array:
     """x `[..., K]` (cast to f32), stack f32 / bf16 `[L, K, N]` (`float_kernel_fits`), layer
     int32 `[]` -> f32 `[..., N]` by the CPU kernel (call `available()` first: this one assumes
     it). Differentiable in x and the stack (the backward pass is the reference's)."""
-    return matmul_group(x, [stack], layer)[0]
+    return matmul_group(x, [stack], layer, live)[0]
 
 
-def matmul_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
+def matmul_group(x: jax.Array, stacks, layer: jax.Array | int,
+                 live: jax.Array | None = None) -> list[jax.Array]:
     """`matmul` of one x by each stack of `stacks` (one K, one dtype), in one call."""
     _check_float_group("matmul", x, stacks, float_kernel_fits, 1, "[L, K, N] stacks, N a multiple of 16")
-    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), tuple(stacks)))
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), live_flags(x, live),
+                         tuple(stacks)))
 
 
 def _check_float_group(name: str, x: jax.Array, stacks, fits, k_axis: int, layout: str) -> None:
@@ -234,28 +245,51 @@ def _check_float_group(name: str, x: jax.Array, stacks, fits, k_axis: int, layou
                              f"(f32 / bf16 {layout} of one dtype)")
 
 
-def matmul_rows(x: jax.Array, stack: jax.Array, layer: jax.Array | int) -> jax.Array:
+def matmul_rows(x: jax.Array, stack: jax.Array, layer: jax.Array | int,
+                live: jax.Array | None = None) -> jax.Array:
     """x `[..., K]` (cast to f32), stack f32 / bf16 `[L, N, K]` (`rows_kernel_fits`), layer
     int32 `[]` -> f32 `[..., N]` = x @ stack[layer].T by the CPU kernel (call `available()`
     first). Differentiable in x and the stack (the backward pass is the reference's)."""
     if not rows_kernel_fits(stack) or x.shape[-1] != stack.shape[2]:
         raise ValueError(f"matmul_rows: x {x.shape} and stack {stack.shape} {stack.dtype} do not fit "
                          "(an f32 / bf16 [L, N, K] stack, K a multiple of 8)")
-    return _product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), (Rows(stack),))[0]
+    return _product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), live_flags(x, live),
+                    (Rows(stack),))[0]
 
 
-def matmul_blocks(x: jax.Array, blocks: jax.Array, layer: jax.Array | int) -> jax.Array:
+def matmul_blocks(x: jax.Array, blocks: jax.Array, layer: jax.Array | int,
+                  live: jax.Array | None = None) -> jax.Array:
     """x `[..., K]` (cast to f32), blocks f32 / bf16 `[L, N/16, K, 16]` (a float stack `pack`ed:
     `blocks_kernel_fits`), layer int32 `[]` -> f32 `[..., N]` = x @ unpack(blocks)[layer] by
     the CPU kernel (call `available()` first). Differentiable in x and the blocks."""
-    return matmul_blocks_group(x, [blocks], layer)[0]
+    return matmul_blocks_group(x, [blocks], layer, live)[0]
 
 
-def matmul_blocks_group(x: jax.Array, stacks, layer: jax.Array | int) -> list[jax.Array]:
+def matmul_blocks_group(x: jax.Array, stacks, layer: jax.Array | int,
+                        live: jax.Array | None = None) -> list[jax.Array]:
     """`matmul_blocks` of one x by each packed stack of `stacks` (one K, one dtype), in one call."""
     _check_float_group("matmul_blocks", x, stacks, blocks_kernel_fits, 2, "[L, N/16, K, 16] stacks")
-    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+    return list(_product(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), live_flags(x, live),
                          tuple(Blocks(b) for b in stacks)))
+
+
+def live_flags(x: jax.Array, live: jax.Array | None) -> jax.Array:
+    """The kernel's live operand for x `[..., K]`: int32 `[M]` (M = x's rows, 0 = a dead row:
+    zeros out, its input not read) from live `[...]` bool (x's leading shape), or `[0]` (None:
+    every row live)."""
+    if live is None:
+        return jnp.zeros((0,), jnp.int32)
+    if live.shape != x.shape[:-1]:
+        raise ValueError(f"live {live.shape} must be x's leading shape {x.shape[:-1]}")
+    return live.reshape(-1).astype(jnp.int32)
+
+
+def with_dead_rows(outputs: tuple, live: jax.Array) -> tuple:
+    """The kernel's outputs for the live flags `[M]` (`live_flags`; `[0]`: all live) from each
+    output `[..., N]` of every row: a dead row's zeros (what a reference gives the kernel's dead rows)."""
+    if live.shape[0] == 0:
+        return tuple(outputs)
+    return tuple(jnp.where(live.reshape(y.shape[:-1])[..., None] != 0, y, 0.0) for y in outputs)
 
 
 def _widths(weights) -> list[int]:
@@ -289,37 +323,42 @@ def _target(first) -> str:
 
 
 @jax.custom_batching.custom_vmap
-def _call(x, layer, weights):
+def _call(x, layer, live, weights):
     outs = tuple(jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32) for n in _widths(weights))
-    return tuple(jax.ffi.ffi_call(_target(weights[0]), outs)(x, layer, *jax.tree.leaves(weights)))
+    return tuple(jax.ffi.ffi_call(_target(weights[0]), outs)(x, layer, live, *jax.tree.leaves(weights)))
 
 
 @_call.def_vmap
-def _call_vmap(axis_size, in_batched, x, layer, weights):
-    """Rows batched alone are more rows of one call (the kernel reads any leading shape of x);
-    a batched kernel, scale or layer maps the call over the batch."""
+def _call_vmap(axis_size, in_batched, x, layer, live, weights):
+    """Rows batched alone are more rows of one call (the kernel reads any leading shape of x;
+    their live flags, batched or not, go with them); a batched kernel, scale or layer maps the
+    call over the batch."""
     outs = len(weights)
-    x_batched, *rest = jax.tree.leaves(in_batched)
-    if not any(rest):
-        return _call(x, layer, weights), (x_batched,) * outs
+    x_batched, layer_batched, live_batched, *rest = jax.tree.leaves(in_batched)
+    if not layer_batched and not any(rest):
+        if not x_batched:  # only the flags vary: each map entry its own call
+            return jax.lax.map(lambda flags: _call(x, layer, flags, weights), live), (True,) * outs
+        if live.shape[-1] and not live_batched:
+            live = jnp.broadcast_to(live, (axis_size, *live.shape))
+        return _call(x, layer, live.reshape(-1), weights), (True,) * outs
     args = jax.tree.map(lambda a, batched: a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)),
-                        (x, layer, weights), tuple(in_batched))
+                        (x, layer, live, weights), tuple(in_batched))
     return jax.lax.map(lambda one: _call(*one), args), (True,) * outs
 
 
 @jax.custom_vjp
-def _product(x, layer, weights):
-    return _call(x, layer, weights)
+def _product(x, layer, live, weights):
+    return _call(x, layer, live, weights)
 
 
-def _product_fwd(x, layer, weights):
-    return _product(x, layer, weights), (x, layer, weights)
+def _product_fwd(x, layer, live, weights):
+    return _product(x, layer, live, weights), (x, layer, live, weights)
 
 
 def _product_bwd(residuals, grads):
     """The reference's backward: in x, the int8 kernels' scales and the float stacks (None for
     the int8 values and the layer index)."""
-    x, layer, weights = residuals
+    x, layer, live, weights = residuals
 
     def differentiable(w):
         return w[1] if isinstance(w, tuple) else w.stack if isinstance(w, (Rows, Blocks)) else w
@@ -328,14 +367,14 @@ def _product_bwd(residuals, grads):
         return (w[0], f) if isinstance(w, tuple) else type(w)(f) if isinstance(w, (Rows, Blocks)) else f
 
     def forward(a, floats):
-        return _reference(a, layer, tuple(rebuilt(w, f) for w, f in zip(weights, floats)))
+        return with_dead_rows(_reference(a, layer, tuple(rebuilt(w, f) for w, f in zip(weights, floats))), live)
 
     floats = tuple(differentiable(w) for w in weights)
     _, pullback = jax.vjp(forward, x, floats)
     grad_x, grad_floats = pullback(tuple(grads))
     grad_weights = tuple((None, g) if isinstance(w, tuple) else rebuilt(w, g.astype(f.dtype))
                          for w, f, g in zip(weights, floats, grad_floats))
-    return grad_x, None, grad_weights
+    return grad_x, None, None, grad_weights
 
 
 _product.defvjp(_product_fwd, _product_bwd)

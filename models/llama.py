@@ -120,7 +120,7 @@ class Linear(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):  # [..., in] -> [..., out]
+    def __call__(self, x, live=None):  # [..., in] -> [..., out]; live [...] bool | None: `live_rows`
         kernel = self.get_variable("params", "kernel")
         if not isinstance(kernel, (PackedKernel, BlockedKernel, LayerKernel)):  # (flax's shape check reads a pytree's first leaf)
             kernel = self.param("kernel", nn.initializers.normal(0.02),
@@ -128,11 +128,11 @@ class Linear(nn.Module):
         x = jnp.asarray(x, self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if isinstance(kernel, PackedKernel):
-            y = packed_matmul(x, kernel).astype(self.dtype)
+            y = packed_matmul(x, kernel, live).astype(self.dtype)
         elif isinstance(kernel, BlockedKernel):
-            y = blocked_matmul(x, kernel).astype(self.dtype)
+            y = blocked_matmul(x, kernel, live).astype(self.dtype)
         elif isinstance(kernel, LayerKernel):
-            y = qmatmul_cpu.matmul(x, kernel.stack, kernel.layer).astype(self.dtype)
+            y = qmatmul_cpu.matmul(x, kernel.stack, kernel.layer, live).astype(self.dtype)
         elif isinstance(kernel, qwix.QArray):
             y = qwix.dot_general(x, kernel, dims).astype(self.dtype)
         else:
@@ -148,35 +148,35 @@ def _dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
 
 
 def _dense_group(module: nn.Module, x, outputs: list[tuple[str, int]], dtype,
-                 use_bias: bool = False) -> list[jax.Array]:
+                 use_bias: bool = False, live=None) -> list[jax.Array]:
     """The `Linear`s (name, features) of `module` that share the input x: one CPU kernel call
     for the group where their kernels allow it (`quant.grouped_product`: what each `Linear`
     computes, in one hand-off to the thread pool), else one `Linear` each."""
     if not module.is_initializing():
         params = module.variables.get("params", {})
         kernels = [params.get(name, {}).get("kernel") for name, _ in outputs]
-        products = grouped_product(jnp.asarray(x, dtype), kernels)
+        products = grouped_product(jnp.asarray(x, dtype), kernels, live)
         if products is not None:
             return [y.astype(dtype) + (jnp.asarray(params[name]["bias"], dtype) if use_bias else 0)
                     for (name, _), y in zip(outputs, products)]
-    return [_dense(features, name, dtype, use_bias)(x) for name, features in outputs]
+    return [_dense(features, name, dtype, use_bias)(x, live) for name, features in outputs]
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None):
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None, live=None):
         """x `[B, T, H]`; one layer of the cache: k_cache `[B, KVH, Dh, S]`, v_cache `[B, KVH, S, Dh]`,
-        or with `layer` (int32 `[]`) the whole stack `[L, ...]` and the layer's index
-        -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
+        or with `layer` (int32 `[]`) the whole stack `[L, ...]` and the layer's index; live
+        `[B, T]` bool | None (`live_rows`) -> (out `[B, T, H]`, k_new, v_new `[B, T, KVH, Dh]`)."""
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         batch, seq = x.shape[:2]
         q, k, v = _dense_group(self, x, [("q_proj", cfg.num_heads * cfg.head_dim),
                                          ("k_proj", cfg.num_kv_heads * cfg.head_dim),
                                          ("v_proj", cfg.num_kv_heads * cfg.head_dim)],
-                               dtype, cfg.attention_bias)
+                               dtype, cfg.attention_bias, live)
         q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
         k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
@@ -188,7 +188,7 @@ class Attention(nn.Module):
         attn = verify_attention(
             q, k, v, k_cache, v_cache, lengths, tree_mask, impl=attention_impl(cfg), layer=layer
         )
-        out = _dense(cfg.hidden_size, "o_proj", dtype)(attn.reshape(batch, seq, -1))
+        out = _dense(cfg.hidden_size, "o_proj", dtype)(attn.reshape(batch, seq, -1), live)
         return out, k, v
 
 
@@ -196,12 +196,12 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, live=None):
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         gate, up = _dense_group(self, x, [("gate_proj", cfg.intermediate_size),
-                                          ("up_proj", cfg.intermediate_size)], dtype)
-        return _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
+                                          ("up_proj", cfg.intermediate_size)], dtype, live=live)
+        return _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up, live)
 
 
 class DecoderLayer(nn.Module):
@@ -209,15 +209,16 @@ class DecoderLayer(nn.Module):
     collect_hidden: bool = False
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None):
+    def __call__(self, x, k_cache, v_cache, cos, sin, lengths, tree_mask, layer=None, live=None):
         cfg = self.cfg
         dtype = cfg.jnp_dtype
         attn_out, k_new, v_new = Attention(cfg, name="self_attn")(
             RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x),
-            k_cache, v_cache, cos, sin, lengths, tree_mask, layer,
+            k_cache, v_cache, cos, sin, lengths, tree_mask, layer, live,
         )
         x = x + attn_out
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x),
+                                     live)
         return x, (k_new, v_new, x if self.collect_hidden else None)
 
 
@@ -247,8 +248,9 @@ class LlamaModel(nn.Module):
             self.lm_head = _dense(cfg.vocab_size, "lm_head", dtype)
         self.quantized_head = _dense(cfg.vocab_size, HEAD, dtype)  # used when params hold one
 
-    def __call__(self, tokens, positions, k_cache, v_cache, lengths, tree_mask):
-        """Returns (final hidden `[B, T, H]`, k_new/v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)."""
+    def __call__(self, tokens, positions, k_cache, v_cache, lengths, tree_mask, live=None):
+        """Returns (final hidden `[B, T, H]`, k_new/v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None);
+        live `[B, T]` bool | None: `live_rows`."""
         x = self.embed_tokens(tokens)
         cos, sin = rope_tables(self.cfg, positions)
         inputs = (x, k_cache, v_cache, cos, sin, lengths, tree_mask)
@@ -256,17 +258,18 @@ class LlamaModel(nn.Module):
             x, (k_new, v_new, hiddens) = self.layers(*inputs)
         else:
             x, (k_new, v_new, hiddens) = scan_layers(
-                self.cfg, self.collect_hidden, self.variables["params"]["layers"], *inputs)
+                self.cfg, self.collect_hidden, self.variables["params"]["layers"], *inputs, live=live)
         return self.norm(x), k_new, v_new, hiddens
 
-    def logits(self, hidden):
-        """`[..., H]` -> f32 logits `[..., V]`."""
+    def logits(self, hidden, live=None):
+        """`[..., H]` -> f32 logits `[..., V]`; live `[...]` bool | None: `live_rows`."""
         params = self.variables.get("params", {})
         if HEAD in params:  # an int8 head (`models.quant`)
-            return self.quantized_head(hidden).astype(jnp.float32)
+            return self.quantized_head(hidden, live).astype(jnp.float32)
         tied = self.cfg.tie_word_embeddings
         weights = params.get("embed_tokens" if tied else "lm_head", {})
-        out = float_head_product(hidden, weights.get("embedding" if tied else "kernel"), rows=tied)
+        out = float_head_product(hidden, weights.get("embedding" if tied else "kernel"), rows=tied,
+                                 live=live)
         if out is not None:  # the CPU kernel
             return out
         out = self.embed_tokens.attend(hidden) if tied else self.lm_head(hidden)
@@ -325,13 +328,14 @@ def layer_params(layers: Params, index: jax.Array) -> Params:
 
 
 def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cache, v_cache,
-                cos, sin, lengths, tree_mask):
+                cos, sin, lengths, tree_mask, live=None):
     """The decoder stack as one `lax.scan` over the layer index (what `nn.scan` computes, with
     each layer's params taken by `layer_params`): x `[B, T, H]`, k_cache / v_cache `[L, ...]`
     -> (x, (k_new, v_new `[L, B, T, KVH, Dh]`, hiddens `[L, B, T, H]` | None)).
 
     Where the CPU attention kernel runs (`attention_impl`), each layer gets the whole cache
-    stack and its index, read in place; elsewhere its slice (what a scanned input would be)."""
+    stack and its index, read in place; elsewhere its slice (what a scanned input would be).
+    live `[B, T]` bool | None: `live_rows`."""
     layer = DecoderLayer(cfg, collect_hidden, parent=None)  # unbound: applied per layer
     in_place = attention_impl(cfg) == "cpu"
 
@@ -341,7 +345,9 @@ def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cac
         else:
             caches = (*(jax.lax.dynamic_index_in_dim(c, index, keepdims=False) for c in (k_cache, v_cache)),
                       cos, sin, lengths, tree_mask)
-        return layer.apply({"params": layer_params(layers, index)}, x, *caches)
+        if not in_place:
+            caches = (*caches, None)
+        return layer.apply({"params": layer_params(layers, index)}, x, *caches, live)
 
     return jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
 
@@ -349,6 +355,14 @@ def scan_layers(cfg: ModelConfig, collect_hidden: bool, layers: Params, x, k_cac
 # ---------------------------------------------------------------------------------------------
 # Pure functional API
 # ---------------------------------------------------------------------------------------------
+
+
+def live_rows(tree_mask: jax.Array) -> jax.Array:
+    """`[B, T]` bool: which new tokens of a forward are live, from its mask `[B, T, T]`: a
+    token that may not see itself is dead (`specjax.verify`: a draft node deeper than the
+    step's draft). The CPU matmul kernels skip a dead token's rows (zeros out); no live token
+    sees a dead one, so the live tokens' outputs are the same either way."""
+    return jnp.diagonal(tree_mask, axis1=1, axis2=2)
 
 
 def causal_mask(batch: int, seq: int) -> jax.Array:
@@ -376,7 +390,8 @@ def forward(
       tokens: `[B, T]` int32 new token ids.
       positions: `[B, T]` int32 RoPE positions (`lengths + depth` for a draft tree).
       cache: KV cache; row b attends to its entries `[0, cache.lengths[b])`.
-      tree_mask: `[B, T, T]` bool ancestor mask among the new tokens (None = causal chain).
+      tree_mask: `[B, T, T]` bool ancestor mask among the new tokens (None = causal chain); a
+        token it does not let see itself is dead (`live_rows`): its outputs are not used.
       hidden_layers: static indices of layers whose output hidden state `[B, T, H]` to return
         (0-based; -1 style negative indices allowed).
       logit_indices: optional `[B, K]` indices into T: logits only at those tokens.
@@ -387,11 +402,12 @@ def forward(
       `[lengths[b], lengths[b] + T)` (lengths not advanced).
     """
     batch, seq = tokens.shape
+    live = None if tree_mask is None else live_rows(tree_mask)
     if tree_mask is None:
         tree_mask = causal_mask(batch, seq)
     model = LlamaModel(cfg, collect_hidden=bool(hidden_layers))
     hidden, k_new, v_new, hiddens = model.apply(
-        params, tokens, positions, cache.k, cache.v, cache.lengths, tree_mask
+        params, tokens, positions, cache.k, cache.v, cache.lengths, tree_mask, live
     )
     layer_hidden = tuple(hiddens[i] for i in hidden_layers) if hidden_layers else ()
     logits = None
@@ -399,7 +415,8 @@ def forward(
         selected = hidden
         if logit_indices is not None:
             selected = jnp.take_along_axis(hidden, logit_indices[..., None], axis=1)
-        logits = model.apply(params, selected, method=LlamaModel.logits)
+            live = None if live is None else jnp.take_along_axis(live, logit_indices, axis=1)
+        logits = model.apply(params, selected, live, method=LlamaModel.logits)
     return ForwardOutput(
         logits=logits, hidden=hidden, layer_hidden=layer_hidden, cache=write(cache, k_new, v_new)
     )

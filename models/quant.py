@@ -310,26 +310,28 @@ def unpack_params(params: Params) -> Params:
     return jax.tree.map(convert, params, is_leaf=is_held)
 
 
-def packed_matmul(x: jax.Array, kernel: PackedKernel) -> jax.Array:
+def packed_matmul(x: jax.Array, kernel: PackedKernel, live: jax.Array | None = None) -> jax.Array:
     """x `[..., K]` @ a PackedKernel -> f32 `[..., N]`: the CPU kernel (its jnp reference where
     the kernel is not registered in this process). A kernel sliced off its stack (no layer
-    axis, `layer` None) is read as a stack of one."""
+    axis, `layer` None) is read as a stack of one. live `[...]` bool | None: the kernel's dead
+    rows (`kernels.qmatmul_cpu`: not computed; the reference computes every row)."""
     packed, scale, layer = kernel.packed, kernel.scale, kernel.layer
     if layer is None:
         if packed.ndim == 3:
             packed, scale = packed[None], scale[None]
         layer = 0
     if cpu_kernel_reason() is None:
-        return qmatmul_cpu.qmatmul(x, packed, scale, layer)
+        return qmatmul_cpu.qmatmul(x, packed, scale, layer, live)
     return qmatmul_cpu.qmatmul_reference(x.astype(jnp.float32), packed, scale, layer)
 
 
-def blocked_matmul(x: jax.Array, kernel: BlockedKernel) -> jax.Array:
+def blocked_matmul(x: jax.Array, kernel: BlockedKernel, live: jax.Array | None = None) -> jax.Array:
     """x `[..., K]` @ a BlockedKernel -> f32 `[..., N]`: the float CPU kernel where
-    `float_kernel_reason` is None, else its jnp reference (the layer's blocks unpacked)."""
+    `float_kernel_reason` is None, else its jnp reference (the layer's blocks unpacked);
+    live: as `packed_matmul`'s."""
     layer = 0 if kernel.layer is None else kernel.layer
     if float_kernel_reason() is None:
-        return qmatmul_cpu.matmul_blocks(x, kernel.blocks, layer)
+        return qmatmul_cpu.matmul_blocks(x, kernel.blocks, layer, live)
     return qmatmul_cpu.matmul_blocks_reference(x, kernel.blocks, layer)
 
 
@@ -370,43 +372,45 @@ def layer_kernel(leaf, index: jax.Array) -> LayerKernel | None:
     return LayerKernel(leaf, index)
 
 
-def float_head_product(hidden: jax.Array, weights, rows: bool) -> jax.Array | None:
+def float_head_product(hidden: jax.Array, weights, rows: bool,
+                       live: jax.Array | None = None) -> jax.Array | None:
     """hidden `[..., H]` times a float LM head by the CPU kernel -> f32 logits `[..., V]`: the
     embedding `[V, H]` of a tied head (rows: `hidden @ weights.T`, `qmatmul_cpu.matmul_rows`),
     or an lm_head kernel `[H, V]` (`qmatmul_cpu.matmul`), read as stored, where
     `float_kernel_reason` is None and the kernel fits; else None (the caller's XLA product).
     XLA CPU multiplies a head by one row as a gemv, by 2-9 rows as a gemm several times slower
     (a verify of a few draft tokens paid that), and the two round apart; the kernel's rows do
-    not depend on each other, so a verify's logits are a plain step's bit for bit."""
+    not depend on each other, so a verify's logits are a plain step's bit for bit. live: as
+    `packed_matmul`'s."""
     if not isinstance(weights, jax.Array) or float_kernel_reason() is not None:
         return None
     stack = weights[None]
     if rows and qmatmul_cpu.rows_kernel_fits(stack):
-        return qmatmul_cpu.matmul_rows(hidden, stack, 0)
+        return qmatmul_cpu.matmul_rows(hidden, stack, 0, live)
     if not rows and qmatmul_cpu.float_kernel_fits(stack):
-        return qmatmul_cpu.matmul(hidden, stack, 0)
+        return qmatmul_cpu.matmul(hidden, stack, 0, live)
     return None
 
 
-def grouped_product(x: jax.Array, kernels: list) -> list[jax.Array] | None:
+def grouped_product(x: jax.Array, kernels: list, live: jax.Array | None = None) -> list[jax.Array] | None:
     """x `[..., K]` times each of `kernels` (layer kernels of one input, e.g. q / k / v) in one
     CPU kernel call (one hand-off to the thread pool instead of one per kernel) -> f32 outputs,
     when they are all PackedKernels, all BlockedKernels or all LayerKernels (of one dtype), of
     one layer index; else None (the
-    caller multiplies them one by one)."""
+    caller multiplies them one by one). live: as `packed_matmul`'s."""
     if not kernels or cpu_kernel_reason() is not None:
         return None
     layer = getattr(kernels[0], "layer", None)
     if layer is None or any(getattr(k, "layer", None) is not layer for k in kernels):
         return None
     if all(isinstance(k, PackedKernel) for k in kernels):
-        return qmatmul_cpu.qmatmul_group(x, [(k.packed, k.scale) for k in kernels], layer)
+        return qmatmul_cpu.qmatmul_group(x, [(k.packed, k.scale) for k in kernels], layer, live)
     if float_kernel_reason() is not None or len({getattr(k, "dtype", None) for k in kernels}) != 1:
         return None
     if all(isinstance(k, BlockedKernel) for k in kernels):
-        return qmatmul_cpu.matmul_blocks_group(x, [k.blocks for k in kernels], layer)
+        return qmatmul_cpu.matmul_blocks_group(x, [k.blocks for k in kernels], layer, live)
     if all(isinstance(k, LayerKernel) for k in kernels):
-        return qmatmul_cpu.matmul_group(x, [k.stack for k in kernels], layer)
+        return qmatmul_cpu.matmul_group(x, [k.stack for k in kernels], layer, live)
     return None
 
 

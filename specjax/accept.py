@@ -31,7 +31,7 @@ import numpy as np
 
 from specjax.gather import take_rows
 from specjax.rng import per_row
-from specjax.sampling import SamplingParams, probabilities
+from specjax.sampling import SamplingParams, greedy_tokens, probabilities
 from specjax.tree import TreeSpec
 from specjax.types import AcceptResult, Draft
 
@@ -94,7 +94,7 @@ def accept_greedy(target_logits: jax.Array, draft: Draft, tree: TreeSpec) -> Acc
     target_logits `[B, 1 + N, V]`; draft.tokens / draft.valid `[B, N]`. Invalid nodes (and
     their descendants) are never accepted.
     """
-    target = jnp.argmax(target_logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    target = greedy_tokens(target_logits.astype(jnp.float32))
     match = draft.valid & (draft.tokens == target[:, tree.verify_parents])
     last = _deepest(_all_ancestors(match, tree), tree)
     return _result(last, take_rows(target, last), tree)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from specjax.drafters.auto import AutoDrafter, AutoParams, auto_lengths, auto_max_draft
-from specjax.kernels import attention_cpu, cpu_ffi, qmatmul_cpu
+from specjax.kernels import argmax_cpu, attention_cpu, cpu_ffi, qmatmul_cpu
 from specjax.loop import StopCriteria, spec_start_program
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Llama, attention_impl
@@ -61,8 +61,9 @@ from specjax.xla_options import current_options, program
 #: names the kernels' sources, `cost_key`; 6: the caches donated, each branch's median ratio to
 #: the plain step over rounds of calls, was each one's fastest call, `profile_step_costs`; 7: a
 #: lookup drafter's plain branch proposes a chain of `AutoDrafter.watch_depth`, not 1, on every
-#: `watch_every`-th step)
-VERSION = 7
+#: `watch_every`-th step; 8: a lookup drafter's chains in one loop at the longest, the nodes
+#: deeper than the pick dead rows, `AutoDrafter.merged`, and greedy argmax by the CPU kernel)
+VERSION = 8
 CONTEXT = 64  # prompt tokens cached before the timed steps
 #: the contexts profiled: a step's cost grows with its program's cache width (attention, the
 #: cache writes), and not alike for every branch (SmolLM2, B = 8 here: D=4 / D=0 2.0 at 64
@@ -122,14 +123,14 @@ def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict
     whole on load). On the CPU
     backend it names the C++ kernels' sources too: a changed kernel changes the costs."""
     device = jax.devices()[0]
-    kernels = {"kernels": cpu_ffi.source_digest((qmatmul_cpu.SOURCE, attention_cpu.SOURCE))} if (
+    kernels = {"kernels": cpu_ffi.source_digest((qmatmul_cpu.SOURCE, attention_cpu.SOURCE, argmax_cpu.SOURCE))} if (
         jax.default_backend() == "cpu") else {}
     return {"version": VERSION, "backend": jax.default_backend(), "device_kind": device.device_kind,
             "compile_options": {name: str(value) for name, value in sorted(current_options().items())},
             "model": repr(target), "weights": weights_of(params), "mesh": mesh_of(params),
             "drafter": repr(drafter.inner),
             "attention": [attention_impl(cfg) for cfg in attention_configs(target, drafter)],
-            "lengths": list(drafter.lengths),
+            "lengths": list(drafter.lengths), "merged": drafter.merged,
             "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | kernels | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 

@@ -320,16 +320,20 @@ def spec_step(
 
 def fixed_spec_step(target: TargetModel, params, drafter, drafter_params, state: DecodeState,
                     drafter_state, metrics, sampling: SamplingParams, criteria: StopCriteria,
-                    with_result: bool = False):
+                    with_result: bool = False, live_depth: jax.Array | None = None):
     """`spec_step` on the drafter's own static tree (with_result: the step's AcceptResult too,
-    as a fourth value)."""
+    as a fourth value). live_depth `[]` int32: only the draft nodes at most this deep count
+    (the others are invalid, and the target's verify rows for them dead: `verify`)."""
     tree = drafter.tree
     batch = state.tokens.shape[0]
     propose_key, accept_key = split_rows(state.next_keys(), batch, 2)  # [B, 2] each
     draft, drafter_state = drafter.propose(drafter_params, drafter_state, state, propose_key, sampling)
     draft = without_nonfinite_nodes(draft)
+    if live_depth is not None:
+        draft = draft.replace(valid=draft.valid & (jnp.asarray(tree.node_depth) <= live_depth)[None, :])
     root = state.last_token
-    target_out = verify(target, params, state.cache, root, draft, tree, drafter.hidden_layers)
+    target_out = verify(target, params, state.cache, root, draft, tree, drafter.hidden_layers,
+                        live_depth)
     result = drafter.accept(drafter_params, accept_key, target_out.logits, draft, sampling)
     active = ~state.done
     cache = commit(target_out.cache, result, tree, active)

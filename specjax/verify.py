@@ -19,6 +19,7 @@ def verify(
     draft: Draft,
     tree: TreeSpec,
     hidden_layers: tuple[int, ...] = (),
+    live_depth: jax.Array | None = None,
 ) -> ForwardOutput:
     """Runs the target on `[root, draft nodes]` `[B, 1 + N]` at positions `lengths + depth`.
 
@@ -31,4 +32,13 @@ def verify(
     tokens = jnp.concatenate([root[:, None], draft.tokens], axis=1).astype(jnp.int32)
     positions = cache.lengths[:, None] + jnp.asarray(tree.verify_depth)[None, :]
     mask = jnp.broadcast_to(jnp.asarray(tree.ancestor_mask()), (batch,) + (tree.num_nodes + 1,) * 2)
+    if live_depth is not None:
+        mask = mask & ~dead_diagonal(tree, live_depth)[None]
     return as_target(target).forward(params, tokens, positions, cache, mask, hidden_layers=hidden_layers)
+
+
+def dead_diagonal(tree: TreeSpec, live_depth: jax.Array) -> jax.Array:
+    """`[1 + N, 1 + N]` bool: True on the diagonal of each verify row deeper than live_depth
+    `[]` (a dead row: the target need not compute it)."""
+    dead = jnp.asarray(tree.verify_depth) > live_depth
+    return jnp.diag(dead)

@@ -35,8 +35,9 @@ from specjax.drafters.forced import ForcedDrafter
 from specjax.drafters.layerskip import layerskip_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter
-from specjax.loop import StopCriteria
+from specjax.loop import StopCriteria, spec_finish_program, spec_start
 from specjax.metrics import job_summary
+from specjax.models.cache import init_cache
 from specjax.models.llama import cpu_attention_reason, init_params
 from specjax.options import draft_choice
 from specjax.sampling import SamplingParams
@@ -1050,3 +1051,56 @@ def test_the_adaptive_benchmark_cell_times_every_mode_and_prices_decode_alone(fa
     assert adaptive.paired([3.0, 1.0, 2.0], [1.0, 1.0, 4.0]) == 1.0
     with pytest.raises(SystemExit, match="no field"):
         adaptive.parse_variants(["bad:no_such_field=1"])
+
+
+# ---- a lookup drafter's chains in one loop (`AutoDrafter.merged`) -------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+@pytest.mark.parametrize("options", [{"rotate": True}, {"step_s": [1.0, 0.2, 0.6, 0.9]}],
+                         ids=["rotate", "picked"])
+def test_merged_chains_step_as_a_loop_per_chain_does(kind, options):
+    """The chains in one loop at the longest, the pick's length as data (nodes deeper dead),
+    give the tokens and shape counts that a loop per chain length gives (the same picks), and
+    greedy equals plain greedy."""
+    options = dict(options)
+    step_s = options.pop("step_s", None)
+    if step_s is not None:
+        step_s = step_s[: len(INNER[kind][1])]
+    merged, params = auto(kind, step_s, **options)
+    assert merged.merged and not dataclasses.replace(merged, merge=False).merged
+    together = run(merged, params, refill=True)
+    apart = run(dataclasses.replace(merged, merge=False), params, refill=True)
+    assert [r.token_ids for r in together] == [r.token_ids for r in apart] == plain()
+    assert histogram(together) == histogram(apart)
+    assert [r.spec["accepted"] for r in together] == [r.spec["accepted"] for r in apart]
+
+
+def test_model_drafters_keep_a_loop_per_chain():
+    """A drafter that runs a model to propose pays for its length: no merged loop."""
+    inner, _ = stateful("draft_model")
+    assert not AutoDrafter.wrap(inner, (0, 1, 2, 4)).merged
+    assert not AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 4)).merged  # one chain: nothing to merge
+
+
+@pytest.mark.skipif(cpu_attention_reason(model()[0]) is not None, reason="the CPU attention kernel is needed")
+def test_the_merged_program_compiles_two_target_forwards():
+    """The decode program of merged chains calls the target's attention twice (the plain step's
+    forward, the chains' forward), a loop per chain once per shape."""
+    cfg, params = model()
+    drafter, costs = auto("ngram")
+    criteria = StopCriteria.make()
+    sampling = SamplingParams.make(temperature=0.0)
+    forwards = {}
+    for merge in (True, False):
+        d = dataclasses.replace(drafter, merge=merge)
+        started = jax.eval_shape(functools.partial(_started, cfg, params, d, costs, sampling, criteria))
+        text = spec_finish_program.lower(cfg, params, d, costs, started, sampling, criteria).as_text()
+        forwards[merge] = text.count("specjax_cache_attention")
+    assert forwards == {True: 2, False: len(drafter.lengths)}
+
+
+def _started(cfg, params, drafter, costs, sampling, criteria):
+    prompts = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
+    return spec_start(cfg, params, drafter, costs, prompts, jnp.asarray([4]), jnp.asarray([8]),
+                      init_cache(cfg, 1, 32), jax.random.PRNGKey(0), sampling, criteria, width=24)

@@ -1,6 +1,6 @@
 """The CPU attention kernel (`kernels/attention_cpu`) against its jnp reference.
 
-- random shapes: rows, new tokens (a chain or a random tree, queries that see nothing), GQA
+- random shapes: rows, new tokens (a chain or a random tree, dead queries: zeros), GQA
   groups, head sizes with and without a vector path, capacities not a multiple of 16, lengths
   0..S, every layer of the stack: equal to `verify_attention_reference` on the layer's slice;
 - a row's result does not depend on the other rows (bit for bit);
@@ -39,7 +39,7 @@ def inputs(seed, layers, batch, new, heads, kv_heads, head_dim, capacity, length
 
     if lengths is None:
         lengths = rng.integers(0, capacity + 1, batch)
-    if tree:  # a random ancestor mask; some queries see nothing (no diagonal)
+    if tree:  # a random mask; some queries dead (no diagonal), some see nothing else
         mask = rng.random((batch, new, new)) < 0.5
     else:
         mask = np.broadcast_to(np.tril(np.ones((new, new), bool)), (batch, new, new))
@@ -54,7 +54,9 @@ def run(q, k_new, v_new, k, v, layer, lengths, mask):
 
 
 def reference(q, k_new, v_new, k, v, layer, lengths, mask):
-    return verify_attention_reference(q, k_new, v_new, k[layer], v[layer], lengths, mask)
+    """The jnp reference, a dead token's rows (one the mask does not let see itself) zeros."""
+    out = verify_attention_reference(q, k_new, v_new, k[layer], v[layer], lengths, mask)
+    return jnp.where(jnp.diagonal(mask, axis1=1, axis2=2)[:, :, None, None], out, 0.0)
 
 
 @settings(max_examples=30, deadline=None)
@@ -158,3 +160,16 @@ def test_the_forward_through_it_equals_the_xla_path():
         outputs[impl] = (first.logits, second.logits, second.cache.k)
     for a, b in zip(outputs["cpu"], outputs["xla"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("alive", [0, 1, 2, 5])
+def test_a_live_query_gets_what_it_gets_when_every_query_is_live(alive):
+    """A verify of a chain of 8 whose nodes deeper than `alive` are dead (their diagonal off):
+    the live rows bit for bit what the call with every row live gives them, the dead ones zeros."""
+    args = inputs(7, 2, 3, 9, 9, 3, 64, 300, lengths=[0, 130, 260])
+    chain_mask = args[-1]
+    dead = jnp.arange(9) > alive
+    mask = chain_mask & ~jnp.diag(dead)[None]
+    every = run(*args[:5], 1, args[5], chain_mask)
+    got = run(*args[:5], 1, args[5], mask)
+    np.testing.assert_array_equal(got, jnp.where(dead[None, :, None, None], 0.0, every))

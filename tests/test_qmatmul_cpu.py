@@ -522,3 +522,61 @@ def test_pack_params_packs_float_layer_kernels_and_the_logits_stay_bit_for_bit(d
     tol = 1e-4 if dtype == "float32" else 5e-2
     np.testing.assert_allclose(np.asarray(step()(packed), np.float32), np.asarray(step()(params), np.float32),
                                rtol=tol, atol=tol)
+
+
+def _live_cases(m: int) -> list[np.ndarray]:
+    """Live flags for m rows: all live, all dead, a prefix per group of 3 (a verify's), ragged."""
+    rng = np.random.default_rng(m)
+    return [np.ones(m, bool), np.zeros(m, bool), np.arange(m) % 3 < 1, np.arange(m) % 3 < 2,
+            rng.random(m) < 0.5]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "f32", "bf16", "rows", "blocks", "int8 group"])
+@pytest.mark.parametrize("m", [1, 6, 13])
+def test_dead_rows_are_zeros_and_live_rows_what_every_row_computes(kind, m):
+    """A row flagged dead gets zeros; a live row gets what the call without flags gives it, bit
+    for bit, whatever the other rows' flags (ragged, all dead, all live), in every kernel kind."""
+    x = rows(20, (m, 64))
+    if kind.startswith("int"):
+        mode = kind.split()[0]
+        qs = [random_quantized(20 + i, 2, 64, n, mode) for i, n in enumerate((48, 32))]
+        pairs = [(packed_values(q), q.scale) for q in qs][: 2 if "group" in kind else 1]
+        call = lambda live: qmatmul_cpu.qmatmul_group(x, pairs, 1, live)
+        references = [qmatmul_cpu.qmatmul_reference(x, p, s, 1) for p, s in pairs]
+    else:
+        dtype = jnp.bfloat16 if kind == "bf16" else jnp.float32
+        shape = {"rows": (2, 40, 64), "blocks": (2, 3, 64, 16)}.get(kind, (2, 64, 48))
+        stack = jax.random.normal(jax.random.PRNGKey(21), shape, dtype)
+        kernel, reference = {
+            "rows": (qmatmul_cpu.matmul_rows, qmatmul_cpu.matmul_rows_reference),
+            "blocks": (qmatmul_cpu.matmul_blocks, qmatmul_cpu.matmul_blocks_reference),
+        }.get(kind, (qmatmul_cpu.matmul, qmatmul_cpu.matmul_reference))
+        call = lambda live: [kernel(x, stack, 1, live)]
+        references = [reference(x, stack, 1)]
+    every = jax.jit(call)(None)
+    for live in _live_cases(m):
+        got = jax.jit(call)(jnp.asarray(live))
+        for y, full, ref in zip(got, every, references):
+            np.testing.assert_array_equal(y, np.where(live[:, None], full, 0.0))
+            want = qmatmul_cpu.with_dead_rows((ref,), qmatmul_cpu.live_flags(x, jnp.asarray(live)))[0]
+            np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_dead_rows_compose_with_vmap_and_grad_and_bad_flags_are_an_error():
+    """live with vmap (rows batched, flags batched or not) and grad (a dead row's gradient is
+    zero); flags that are not x's leading shape are a ValueError."""
+    stack = jax.random.normal(jax.random.PRNGKey(22), (2, 32, 48), jnp.float32)
+    x = rows(22, (4, 3, 32))
+    live = jnp.asarray(np.arange(12).reshape(4, 3) % 3 < 2)
+    every = qmatmul_cpu.matmul(x, stack, 1)
+    mapped = jax.vmap(qmatmul_cpu.matmul, in_axes=(0, None, None, 0))(x, stack, 1, live)
+    np.testing.assert_array_equal(mapped, jnp.where(live[..., None], every, 0.0))
+    shared = jax.vmap(qmatmul_cpu.matmul, in_axes=(0, None, None, None))(x, stack, 1, live[0])
+    np.testing.assert_array_equal(shared, jnp.where(live[0][None, :, None], every, 0.0))
+    grad = jax.grad(lambda a: jnp.sum(jnp.sin(qmatmul_cpu.matmul(a, stack, 1, live))))(x)
+    assert not np.any(np.asarray(grad)[~np.asarray(live)])
+    want = jax.grad(lambda a: jnp.sum(jnp.sin(qmatmul_cpu.matmul_reference(a, stack, 1))))(x)
+    np.testing.assert_allclose(np.asarray(grad)[np.asarray(live)], np.asarray(want)[np.asarray(live)],
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="leading shape"):
+        qmatmul_cpu.matmul(x, stack, 1, live[0])

@@ -28,7 +28,13 @@ The candidate chain lengths are those the drafter can produce: `auto_lengths` up
 The branches are a chain of `while_loop`s, one per shape: the picked branch keeps stepping in
 its own loop while it stays the pick and no row ends. Not a `lax.switch`: XLA gives each
 branch of a conditional its own copy of what it writes in place (the whole KV cache, in and
-out, at every change of shape), while the loops carry it in place.
+out, at every change of shape), while the loops carry it in place. A lookup drafter's chains
+share one loop (`merged`): its proposal costs the same at any length, so the loop proposes
+the longest chain and verifies it with the pick's length as data (`loop.fixed_spec_step`'s
+live_depth): the nodes deeper than the pick are invalid, and their verify rows dead, which the
+CPU kernels skip (`specjax.verify`). One target forward serves every chain length: the
+program compiles two forwards (the plain step's and the chains') instead of one per shape,
+and a chain of D costs about what a static chain of D does (`benchmarks/auto_merged.py`).
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
@@ -175,6 +181,9 @@ class AutoDrafter(Drafter):
     #: a lookup drafter's job starts with a plain step (its first observations cost nothing)
     plain_first: bool = True
     rotate: bool = False  # test hook: branch = step % S (visits every branch) instead of the pick
+    #: a lookup drafter's chains run in one loop at the longest chain, the pick's length as data
+    #: (`merged`); False: a loop (and a target forward) per chain length, for A/B runs
+    merge: bool = True
 
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
@@ -347,10 +356,16 @@ class AutoDrafter(Drafter):
                                    relax=self.relax, prior_weight=self.prior_weight)
         width = state.tokens.shape[1]
 
-        def body(index: int, carry):
-            state, auto_state, metrics, count, _, per_step, _ = carry
+        def body(index: int | None, carry):
+            state, auto_state, metrics, count, _, per_step, picked = carry
             active = ~state.done
-            if index == 0:  # lengths[0] == 0: plain decoding, watching the lookup's chain
+            if index is None:  # a chain of the pick's length in the merged loop (`merged`)
+                index = picked
+                state, inner, metrics, reached, hits = self._branch(
+                    jnp.asarray(self.lengths, jnp.int32)[index], target, params, drafter_params.inner,
+                    sampling, criteria, state, auto_state.inner, metrics)
+                watched, watch_at = auto_state.watched, jnp.zeros_like(auto_state.watch_at)
+            elif index == 0:  # lengths[0] == 0: plain decoding, watching the lookup's chain
                 state, inner, metrics, reached, hits, watched, watch_at = self._plain_branch(
                     target, params, drafter_params.inner, sampling, criteria, state,
                     auto_state.inner, metrics, auto_state.watched, auto_state.watch_at,
@@ -382,21 +397,37 @@ class AutoDrafter(Drafter):
             index = jnp.asarray(branch, jnp.int32)
         go = jnp.asarray(True) if branch is None else steps > 0
         carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), go, per_step, index)
+        chains = len(self.lengths)
         for i in range(self.num_shapes):
+            if self.merged and 0 < i < chains:
+                if i == 1:
+                    carry = jax.lax.while_loop(lambda c: c[4] & (c[6] >= 1) & (c[6] < chains),
+                                               functools.partial(body, None), carry)
+                continue
             carry = jax.lax.while_loop(lambda c, i=i: c[4] & (c[6] == i),
                                        functools.partial(body, i), carry)
         return carry[:3]
 
-    def _branch(self, num_draft: int, target, params, inner_params, sampling, criteria,
+    @property
+    def merged(self) -> bool:
+        """Whether the chains run in one loop, at the longest chain with the pick's length as
+        data (`fixed_spec_step`'s live_depth): a lookup drafter's proposal costs the same at any
+        length, and the target skips the rows of the nodes deeper than the pick."""
+        return self.merge and bool(self.inner.observe_plain_steps) and len(self.lengths) > 2
+
+    def _branch(self, num_draft: int | jax.Array, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
-        """One step of a chain of num_draft >= 1 -> (state, inner state, metrics,
+        """One step of a chain of num_draft >= 1 (traced: the longest chain, its nodes deeper
+        than num_draft dead) -> (state, inner state, metrics,
         reached `[B, Dmax, R]`, hits `[B, Dmax, R]`: whether each row observed depth j's
         candidate of rank r, and accepted it; a chain observes rank 0 only)."""
         active = ~state.done
         before = metrics.accepted
+        live = isinstance(num_draft, jax.Array)
+        drafter = self.shaped(max(self.lengths) if live else num_draft)
         state, inner_state, metrics = fixed_spec_step(
-            target, params, self.shaped(num_draft), inner_params, state, inner_state, metrics,
-            sampling, criteria)
+            target, params, drafter, inner_params, state, inner_state, metrics,
+            sampling, criteria, live_depth=num_draft if live else None)
         reached, hits = observations(active, metrics.accepted - before, num_draft, self.tree.max_depth)
         return state, inner_state, metrics, *self._ranked(reached, hits)
 

@@ -47,7 +47,7 @@ def decode_pass(model, prompts, batch: int, draft, max_new: int) -> tuple[float,
     seconds = sum({id(r.times): r.times.decode_s for r in results}.values())  # one time a batch
     shapes: dict = {}
     for r in results:
-        for shape, steps in ((r.spec or {}).get("shape_steps") or {}).items():
+        for shape, steps in ((r.spec or {}).get("shape_histogram") or {}).items():
             shapes[shape] = shapes.get(shape, 0) + steps
     return tokens / seconds, shapes
 
@@ -99,7 +99,7 @@ def main() -> None:
                 cell = {"tokens_per_s": {run: round(v, 1) for run, v in med.items()},
                         "over_plain": {run: round(med[run] / med["plain"], 3) for run in RUNS[1:]},
                         "merged_over_separate": round(med["merged"] / med["separate"], 3),
-                        "shape_steps": {run: shapes[run] for run in RUNS[1:]},
+                        "shape_histogram": {run: shapes[run] for run in RUNS[1:]},
                         "same_tokens_as_plain": same,
                         "passes": {run: [round(r, 1) for r in v] for run, v in rates.items()}}
                 key = f"{mode} {name} B={batch}"

@@ -111,6 +111,46 @@ def model_in(f32, mode: str):
     return f32
 
 
+def cell_parser(description: str, modes: list[str], repeats: int) -> argparse.ArgumentParser:
+    """The options of a side-by-side benchmark over (weight mode, prompt set, batch size) cells
+    (`cells`): --model, --prompts, --modes, --sets, --batch-sizes, --max-new, --repeats, --out."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", default=SPEC_BENCH)
+    ap.add_argument("--modes", nargs="+", default=modes)
+    ap.add_argument("--sets", nargs="+", default=list(SETS))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def cells(args, report: dict):
+    """Yields (key "mode set B=b", model in that mode, b, the set's prompts: max(2, b) of
+    them) for each cell of `cell_parser`'s args; `report` gets the command and the CPU count,
+    and `save_cell` adds each cell's result."""
+    f32 = specjax.load(args.model, dtype="float32")
+    rows = load_prompt_set(args.prompts)
+    report.update({"command": " ".join(["python", *sys.argv]), "cpu_count": os.cpu_count(), "cells": {}})
+    for mode in args.modes:
+        model = model_in(f32, mode)
+        for name in args.sets:
+            for batch in args.batch_sizes:
+                texts = [r["prompt"] for r in select_rows(rows, [SETS[name]], max(2, batch))]
+                yield f"{mode} {name} B={batch}", model, batch, [model.tokenizer.encode_chat(t) for t in texts]
+
+
+def save_cell(report: dict, key: str, cell: dict, out: str | None, shown: dict) -> None:
+    """Prints `shown` (the cell without its per-pass lists) and keeps `cell` in the report,
+    written to `out` after each cell: a long run stopped early keeps what it measured."""
+    report["cells"][key] = cell
+    print(key, json.dumps(shown), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def decode_pass(model, prompts, max_new: int, draft=None, num_draft: int | str = 4) -> dict:
     """One pass of B=1 generations of `prompts`: tokens/s (decode only, compile and prefill
     excluded; static batches: a refilled slot's prefill runs inside the decode loop, so its time

@@ -86,11 +86,8 @@ ffi::Error ArgmaxRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Result
       ys[m] = row_argmax(xs + m * V, V);
   };
   const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
-  if (M * V < (int64_t(1) << 16)) {  // below ~64K numbers handing rows out costs more than it saves
-    for (int64_t item = 0; item < items; ++item) rows(item);
-  } else {
-    specjax_crew::parallel_for(pool, items, rows);
-  }
+  // below ~64K numbers handing rows out costs more than it saves
+  specjax_crew::parallel_for(pool, items, rows, M * V >= (int64_t(1) << 16));
   return ffi::Error::Success();
 }
 

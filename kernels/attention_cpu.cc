@@ -411,11 +411,8 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   };
   // The merge reads (chunks + T) x Dh numbers a query row: below ~64K of them for the whole
   // call, handing it out costs more than it saves.
-  if (sh.B * sh.KVH * sh.R * (items / (sh.B * sh.KVH) + 1 + sh.T) * sh.Dh < (1 << 16)) {
-    for (int64_t bh = 0; bh < sh.B * sh.KVH; ++bh) merge_one(bh);
-  } else {
-    specjax_crew::parallel_for(pool, sh.B * sh.KVH, merge_one);
-  }
+  specjax_crew::parallel_for(pool, sh.B * sh.KVH, merge_one,
+                             sh.B * sh.KVH * sh.R * (items / (sh.B * sh.KVH) + 1 + sh.T) * sh.Dh >= (1 << 16));
   return ffi::Error::Success();
 }
 

@@ -174,9 +174,14 @@ inline void run_items(Items& items) {
   }
 }
 
+// shared false: all on the calling thread (a call too small for handing items out to pay).
 template <typename Pool>
-void parallel_for(Pool& pool, int64_t n, std::function<void(int64_t)> body) {
+void parallel_for(Pool& pool, int64_t n, std::function<void(int64_t)> body, bool shared = true) {
   if (n <= 0) return;
+  if (!shared) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
   auto items = std::make_shared<Items>();
   items->body = std::move(body);
   items->n = n;

@@ -25,7 +25,10 @@ def verify(
 
     The ancestor mask is the tree's (invalid nodes need no extra masking: their descendants
     are invalid too and are never accepted). Returns logits `[B, 1 + N, V]` and the cache with
-    1 + N provisional entries per row at `[lengths, lengths + 1 + N)`. target: a
+    1 + N provisional entries per row at `[lengths, lengths + 1 + N)`. live_depth `[]` int32
+    (None: every node): the nodes deeper are dead, their mask rows without the diagonal (they
+    still see their ancestors; no live node sees them): the built-in Llama's CPU kernels skip them
+    (`models.llama.live_rows`), any target's outputs for them go unused. target: a
     `specjax.target.TargetModel` or a ModelConfig (the built-in Llama).
     """
     batch = root.shape[0]

@@ -104,14 +104,15 @@ struct Head {
 
 // The live tokens of each row: row b's count and its tokens' indices, in order.
 struct Live {
+  int64_t T;
   std::vector<int64_t> count, tokens;  // [B], [B, T] (row b's first count[b])
 
-  Live(const Shapes& sh, const int8_t* mask) : count(sh.B, 0), tokens(sh.B * sh.T) {
+  Live(const Shapes& sh, const int8_t* mask) : T(sh.T), count(sh.B, 0), tokens(sh.B * sh.T) {
     for (int64_t b = 0; b < sh.B; ++b)
       for (int64_t t = 0; t < sh.T; ++t)
         if (mask[(b * sh.T + t) * sh.T + t] != 0) tokens[b * sh.T + count[b]++] = t;
   }
-  const int64_t* of(int64_t b) const { return tokens.data() + b * (tokens.size() / count.size()); }
+  const int64_t* of(int64_t b) const { return tokens.data() + b * T; }
 };
 
 // The G query heads x the n live tokens ts of (b, h) as G n rows of Dh, scaled: row g * n + i

@@ -423,11 +423,11 @@ class AutoDrafter(Drafter):
         candidate of rank r, and accepted it; a chain observes rank 0 only)."""
         active = ~state.done
         before = metrics.accepted
-        live = isinstance(num_draft, jax.Array)
-        drafter = self.shaped(max(self.lengths) if live else num_draft)
+        traced = isinstance(num_draft, jax.Array)  # the merged loop's pick
+        drafter = self.shaped(max(self.lengths) if traced else num_draft)
         state, inner_state, metrics = fixed_spec_step(
             target, params, drafter, inner_params, state, inner_state, metrics,
-            sampling, criteria, live_depth=num_draft if live else None)
+            sampling, criteria, live_depth=num_draft if traced else None)
         reached, hits = observations(active, metrics.accepted - before, num_draft, self.tree.max_depth)
         return state, inner_state, metrics, *self._ranked(reached, hits)
 

@@ -51,13 +51,15 @@ def decode_pass(model, prompts, batch: int, draft, max_new: int) -> tuple[float,
 
 def drafts(model, batch: int) -> dict:
     """Each run's `draft` argument: None, and (AutoDrafter, AutoParams) merged and separate."""
-    merged, costs = auto_drafter(model.cfg, model.params, NgramDrafter(tree=chain(1)), None, batch)
-    separate = dataclasses.replace(merged, merge=False)
-    widths, step_s = step_costs(model.cfg, model.params, separate, None, batch)
-    assert merged.merged and not separate.merged
-    return {"plain": None, "merged": (merged, costs),
-            "separate": (separate, AutoParams(None, jnp.asarray(step_s, jnp.float32),
-                                              jnp.asarray(widths, jnp.float32)))}
+    auto, _ = auto_drafter(model.cfg, model.params, NgramDrafter(tree=chain(1)), None, batch)
+    merged = dataclasses.replace(auto, merge_rows=batch * (1 + max(auto.lengths)))  # at any batch size
+    separate = dataclasses.replace(auto, merge=False)
+    assert merged.merged(batch) and not separate.merged(batch)
+    out: dict = {"plain": None}
+    for name, drafter in (("merged", merged), ("separate", separate)):
+        widths, step_s = step_costs(model.cfg, model.params, drafter, None, batch)
+        out[name] = (drafter, AutoParams(None, jnp.asarray(step_s, jnp.float32), jnp.asarray(widths, jnp.float32)))
+    return out
 
 
 def main() -> None:

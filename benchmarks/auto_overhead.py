@@ -6,7 +6,8 @@ SmolLM2-135M (f32, or `--mode int8|int4`: packed layer kernels), n-gram (or `--d
 one fixed prompt per row (200 tokens), greedy, EOS off. Modes, rotated
 pass by pass: `static` (`num_draft=D`), `forced` (the default auto's chains, `BASE_LENGTHS`
 and D, with D priced far below the rest, so every step picks D: the chains run in one loop at
-the longest, the nodes deeper than D dead rows of the verify, `AutoDrafter.merged`) and
+the longest, the nodes deeper than D dead rows of the verify, `AutoDrafter.merged`, at any
+batch size: `merge_rows` raised) and
 `separate` (the same with `merge=False`: a loop and a target forward per chain length). Prints the median ms per decoding step (decode
 seconds / steps, compile excluded; static batches, `refill=False`, so that the prefill is timed
 apart: a refilling run's decode seconds hold its slots' prefills) of each and their ratio, and
@@ -57,7 +58,7 @@ def main() -> None:
     plain_only = args.num_draft == 0
     inner = {"ngram": NgramDrafter, "suffix": SuffixDrafter}[args.draft](tree=chain(1))
     lengths = tuple(sorted(set(BASE_LENGTHS) | {args.num_draft}))
-    forced = AutoDrafter.wrap(inner, lengths)
+    forced = AutoDrafter.wrap(inner, lengths, merge_rows=args.batch * (1 + max(lengths)))  # merged at any B
     step_s = [1e-3 if d == args.num_draft else 1.0 for d in lengths]  # the forced shape: far the cheapest
     costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
     modes = {"static": {} if plain_only else {"draft": args.draft, "num_draft": args.num_draft},

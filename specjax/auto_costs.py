@@ -130,7 +130,7 @@ def cost_key(target, drafter: AutoDrafter, batch_size: int, params=None) -> dict
             "model": repr(target), "weights": weights_of(params), "mesh": mesh_of(params),
             "drafter": repr(drafter.inner),
             "attention": [attention_impl(cfg) for cfg in attention_configs(target, drafter)],
-            "lengths": list(drafter.lengths), "merged": drafter.merged,
+            "lengths": list(drafter.lengths), "merged": drafter.merged(batch_size),
             "batch_size": int(batch_size), "widths": [profile_width(drafter, c) for c in CONTEXTS]} | kernels | (
         {"trees": [[t.name, list(t.parents), list(t.ranks)] for t in drafter.trees]} if drafter.trees else {})
 

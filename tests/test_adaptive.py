@@ -1067,8 +1067,8 @@ def test_merged_chains_step_as_a_loop_per_chain_does(kind, options):
     step_s = options.pop("step_s", None)
     if step_s is not None:
         step_s = step_s[: len(INNER[kind][1])]
-    merged, params = auto(kind, step_s, **options)
-    assert merged.merged and not dataclasses.replace(merged, merge=False).merged
+    merged, params = auto(kind, step_s, merge_rows=64, **options)  # merged at run's 2 rows
+    assert merged.merged(2) and not dataclasses.replace(merged, merge=False).merged(2)
     together = run(merged, params, refill=True)
     apart = run(dataclasses.replace(merged, merge=False), params, refill=True)
     assert [r.token_ids for r in together] == [r.token_ids for r in apart] == plain()
@@ -1079,8 +1079,16 @@ def test_merged_chains_step_as_a_loop_per_chain_does(kind, options):
 def test_model_drafters_keep_a_loop_per_chain():
     """A drafter that runs a model to propose pays for its length: no merged loop."""
     inner, _ = stateful("draft_model")
-    assert not AutoDrafter.wrap(inner, (0, 1, 2, 4)).merged
-    assert not AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 4)).merged  # one chain: nothing to merge
+    assert not AutoDrafter.wrap(inner, (0, 1, 2, 4)).merged(1)
+    assert not AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 4)).merged(1)  # one chain: nothing to merge
+
+
+def test_lookup_chains_merge_where_the_verify_is_narrow():
+    """The chains share one loop only where the merged verify holds at most `merge_rows` rows:
+    one row of a chain of 8 (9 rows), not 8 rows (72: dead rows cost XLA's per-row work)."""
+    drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2, 4, 8))
+    assert drafter.merged(1) and not drafter.merged(2) and not drafter.merged(8)
+    assert dataclasses.replace(drafter, merge_rows=72).merged(8)
 
 
 @pytest.mark.skipif(cpu_attention_reason(model()[0]) is not None, reason="the CPU attention kernel is needed")

@@ -29,12 +29,14 @@ The branches are a chain of `while_loop`s, one per shape: the picked branch keep
 its own loop while it stays the pick and no row ends. Not a `lax.switch`: XLA gives each
 branch of a conditional its own copy of what it writes in place (the whole KV cache, in and
 out, at every change of shape), while the loops carry it in place. A lookup drafter's chains
-share one loop (`merged`): its proposal costs the same at any length, so the loop proposes
+share one loop where that loop's verify is narrow (`merged`: B x (1 + the longest chain) <=
+`merge_rows`, one row of a chain of 8): its proposal costs the same at any length, so the loop proposes
 the longest chain and verifies it with the pick's length as data (`loop.fixed_spec_step`'s
 live_depth): the nodes deeper than the pick are invalid, and their verify rows dead, which the
 CPU kernels skip (`specjax.verify`). One target forward serves every chain length: the
 program compiles two forwards (the plain step's and the chains') instead of one per shape,
-and a chain of D costs about what a static chain of D does (`benchmarks/auto_merged.py`).
+and a chain of D costs about what a static chain of D does at B = 1 (`benchmarks/auto_merged.py`);
+not at B = 8, where the dead rows' XLA work made a merged chain of 1 cost 1.34x a static one.
 
 Each step picks the branch with the highest predicted tokens/s (`specjax.costmodel`, the
 tuner's model): the sum over the active rows of each row's E[tokens per step](D), from the
@@ -184,6 +186,11 @@ class AutoDrafter(Drafter):
     #: a lookup drafter's chains run in one loop at the longest chain, the pick's length as data
     #: (`merged`); False: a loop (and a target forward) per chain length, for A/B runs
     merge: bool = True
+    #: ... where the merged verify holds at most this many rows (B x (1 + the longest chain)):
+    #: its dead rows cost XLA's per-row work (norms, rope, SwiGLU, cache writes, the logits'
+    #: checks), about even with a loop per length at B = 1 (9 rows), 1.34x a static chain of 1's
+    #: step at B = 8 (72 rows; SmolLM2 f32, `benchmarks/auto_overhead.py`)
+    merge_rows: int = 16
 
     def __post_init__(self):
         if self.inner is None or not self.inner.shape_free_state:
@@ -193,6 +200,8 @@ class AutoDrafter(Drafter):
             raise ValueError(f"auto's watch must be in 1..{max(self.lengths)}, got {self.watch}")
         if not self.watch_every >= 1:
             raise ValueError(f"auto's watch_every must be >= 1, got {self.watch_every}")
+        if not self.merge_rows >= 1:
+            raise ValueError(f"auto's merge_rows must be >= 1, got {self.merge_rows}")
         if not self.min_gain >= 0.0:
             raise ValueError(f"auto's min_gain must be >= 0, got {self.min_gain}")
         if 0 not in self.lengths or sorted(set(self.lengths)) != list(self.lengths):
@@ -398,8 +407,9 @@ class AutoDrafter(Drafter):
         go = jnp.asarray(True) if branch is None else steps > 0
         carry = (state, drafter_state, metrics, jnp.zeros((), jnp.int32), go, per_step, index)
         chains = len(self.lengths)
+        merged = self.merged(state.tokens.shape[0])
         for i in range(self.num_shapes):
-            if self.merged and 0 < i < chains:
+            if merged and 0 < i < chains:
                 if i == 1:
                     carry = jax.lax.while_loop(lambda c: c[4] & (c[6] >= 1) & (c[6] < chains),
                                                functools.partial(body, None), carry)
@@ -408,12 +418,13 @@ class AutoDrafter(Drafter):
                                        functools.partial(body, i), carry)
         return carry[:3]
 
-    @property
-    def merged(self) -> bool:
-        """Whether the chains run in one loop, at the longest chain with the pick's length as
-        data (`fixed_spec_step`'s live_depth): a lookup drafter's proposal costs the same at any
-        length, and the target skips the rows of the nodes deeper than the pick."""
-        return self.merge and bool(self.inner.observe_plain_steps) and len(self.lengths) > 2
+    def merged(self, batch_size: int) -> bool:
+        """Whether the chains run in one loop at `batch_size` rows, at the longest chain with the
+        pick's length as data (`fixed_spec_step`'s live_depth): a lookup drafter's proposal
+        costs the same at any length, and the target's kernels skip the rows of the nodes
+        deeper than the pick; where that verify holds at most `merge_rows` rows."""
+        return (self.merge and bool(self.inner.observe_plain_steps) and len(self.lengths) > 2
+                and batch_size * (1 + max(self.lengths)) <= self.merge_rows)
 
     def _branch(self, num_draft: int | jax.Array, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):

@@ -1,0 +1,29 @@
+"""benchmarks/compile_trace.py keeps working: it compiles a tiny model's decode programs under
+the profiler and reads from the trace what XLA compiled."""
+from __future__ import annotations
+
+import types
+
+import jax
+from helpers import load_benchmark, tiny_config
+
+from specjax.models.llama import init_params
+
+
+def test_compile_trace_counts_the_fusions_xla_compiled():
+    trace = load_benchmark("compile_trace")
+    cfg = tiny_config()
+    model = types.SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
+    cache_setting = jax.config.jax_enable_compilation_cache
+    with trace.bench.persistent_cache_off():
+        ar, chain = (trace.traced_compile(model, trace.parse_program(spec, 1), "decode")
+                     for spec in ("ar", "ngram/chain4"))
+    assert jax.config.jax_enable_compilation_cache == cache_setting
+    for record in (ar, chain):
+        assert record["stage"] == "decode" and record["compile_s"] > 0
+        assert 0 < record["fusions compiled"] <= record["kernels"]
+        assert record["fusion compile s (summed over threads)"] > 0
+        assert record["module codegen (LLVM)"] > 0 and len(record["slowest fusions"]) <= 5
+    # a speculative step holds the drafter, the verify and the acceptance besides a forward
+    assert chain["fusions compiled"] > ar["fusions compiled"]
+    assert (ar["program"], chain["program"]) == ("ar", "ngram chain4")

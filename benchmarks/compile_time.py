@@ -256,13 +256,37 @@ def measure(stages: list) -> dict:
 @contextlib.contextmanager
 def persistent_cache_off():
     """JAX's persistent compilation cache off (specjax turns it on for the CLI and the API),
-    restored afterwards."""
+    restored afterwards.
+
+    jax decides once per process whether the cache is used (`compilation_cache.is_cache_used`
+    memoizes its answer), so in a process that already used the cache the config flag alone
+    changes nothing and a compile here would be a cache hit. That decision is set to "not
+    used" for the block and put back after it."""
     before = jax.config.jax_enable_compilation_cache
+    decided = _cache_decision()
     jax.config.update("jax_enable_compilation_cache", False)
+    _set_cache_decision((True, False))
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        _set_cache_decision(decided)
+
+
+def _cache_decision():
+    """(checked, used): jax's memoized answer to "is the persistent cache used in this process"
+    (private module state; None where a jax version keeps it elsewhere)."""
+    from jax._src import compilation_cache as cc
+    if not (hasattr(cc, "_cache_checked") and hasattr(cc, "_cache_used")):
+        return None
+    return cc._cache_checked, cc._cache_used
+
+
+def _set_cache_decision(decision) -> None:
+    from jax._src import compilation_cache as cc
+    if decision is not None and _cache_decision() is not None:
+        with getattr(cc, "_cache_initialized_mutex", contextlib.nullcontext()):
+            cc._cache_checked, cc._cache_used = decision
 
 
 def warm_up() -> None:

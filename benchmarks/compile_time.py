@@ -21,8 +21,9 @@ greedy programs, `> 0` the sampling ones (greedy or not is static, `SamplingPara
 Per program it records lower and compile seconds and the size of what was compiled:
 operations of the lowered StableHLO (`lowered.as_text()`), its `while` loops, the bytes of the
 constants folded into it, the instructions of the optimised HLO, and its kernels (optimised
-instructions compiled on their own: on CPU each is an MLIR + LLVM compile, which is most of
-the time). Every speculative compile runs between two AR compiles of its batch and its "x AR"
+instructions that run as a kernel of their own: XLA CPU's default compiles each distinct one
+as its own MLIR + LLVM module, most of the time; specjax's programs emit them into the
+program's one LLVM module, `xla_options`, whose codegen is then most of it). Every speculative compile runs between two AR compiles of its batch and its "x AR"
 is the median over rounds of its time over theirs, so drift of a shared machine cancels;
 `--repeat N` runs N rounds in rotating order and reports medians.
 

@@ -14,6 +14,13 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
 - `xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`: with the first option alone,
   auto forced onto a chain of 1 at B = 8 (the shape it picks there) still ran 10-20 % slower
   a step than static D = 1; with this one too, 0.97-1.05, static steps no slower.
+- `xla_cpu_use_fusion_emitters=False`: XLA CPU's default compiles every fusion of a program as
+  its own small module (`FusionCompiler::Compile`, ~10 ms each even for a scalar add, 44 in the
+  AR decode program, 137 in n-gram auto's at B = 1); with the option off XLA emits them into the
+  program's one LLVM module instead. Compile times fell 30-35 % (AR 1.37 -> 0.95 s, n-gram
+  chain of 4 1.9 -> 1.28 s, auto 2.78 -> 1.94 s at B = 1 and 6.37 -> 4.66 s at B = 8) and the
+  tokens/s stayed the same: the weight-heavy work runs in specjax's C++ kernels, not in XLA's
+  fusions (`benchmarks/compile_time.py`, docs/measure_and_tune.md).
 
 Other backends get no options (these are XLA CPU's). The backend is read at a program's first
 call, not at import: `jax.distributed.initialize` must come before any use of a backend. A
@@ -36,6 +43,7 @@ import jax
 CPU_OPTIONS: dict[str, Any] = {
     "xla_cpu_enable_concurrency_optimized_scheduler": False,
     "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    "xla_cpu_use_fusion_emitters": False,
 }
 
 

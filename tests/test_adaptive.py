@@ -657,7 +657,8 @@ def test_a_bad_cost_file_is_profiled_again_with_a_warning(fake_profiler, content
     elif content == "OTHER_OPTIONS":  # profiled with programs compiled under other XLA options
         assert key["compile_options"] == {
             "xla_cpu_enable_concurrency_optimized_scheduler": "False",
-            "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+            "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+            "xla_cpu_use_fusion_emitters": "False"}
         content = json.dumps({"key": key | {"compile_options": {}}, "step_s": [1.0] * 4})
     elif content == "MALFORMED":  # a cost per branch, but one context only (version 3's layout)
         content = json.dumps({"key": key, "step_s": [1.0] * 4})

@@ -9,20 +9,25 @@ from specjax.xla_options import CPU_OPTIONS, Program, compile_options, program
 
 SCHEDULER = "xla_cpu_enable_concurrency_optimized_scheduler"
 SCHEDULER_TYPE = "xla_cpu_scheduler_type"
+FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"
 
 
 def test_the_options_are_xla_cpus_and_a_users_xla_flags_win():
     assert compile_options("cpu") == CPU_OPTIONS == {
-        SCHEDULER: False, SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+        SCHEDULER: False, SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+        FUSION_EMITTERS: False}
     assert compile_options("gpu") == {} and compile_options("tpu") == {}
     users = f"--xla_force_host_platform_device_count=8 --{SCHEDULER}=true"
-    assert compile_options("cpu", users) == {SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-    assert compile_options("cpu", f"{users} --{SCHEDULER_TYPE}=CPU_SCHEDULER_TYPE_DEFAULT") == {}
+    assert compile_options("cpu", users) == {SCHEDULER_TYPE: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                                             FUSION_EMITTERS: False}
+    assert compile_options(
+        "cpu", f"{users} --{SCHEDULER_TYPE}=CPU_SCHEDULER_TYPE_DEFAULT --{FUSION_EMITTERS}=true") == {}
     assert compile_options("cpu", "--xla_force_host_platform_device_count=8") == CPU_OPTIONS
 
 
 @pytest.mark.parametrize("name, bad_value", [(SCHEDULER, "not-a-bool"),
-                                              (SCHEDULER_TYPE, "CPU_SCHEDULER_TYPE_BOGUS")])
+                                              (SCHEDULER_TYPE, "CPU_SCHEDULER_TYPE_BOGUS"),
+                                              (FUSION_EMITTERS, "not-a-bool")])
 def test_a_program_compiles_with_the_options(monkeypatch, name, bad_value):
     """The options reach XLA: an invalid value fails the compile, naming the option, both in
     the probe of `supported_options` and (the probe passing it on) in the program's own."""

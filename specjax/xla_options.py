@@ -17,9 +17,9 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
 - `xla_cpu_use_fusion_emitters=False`: XLA CPU's default compiles every fusion of a program as
   its own small module (`FusionCompiler::Compile`, ~10 ms each even for a scalar add, 44 in the
   AR decode program, 137 in n-gram auto's at B = 1); with the option off XLA emits them into the
-  program's one LLVM module instead. Compile times fell 30-35 % (AR 1.37 -> 0.95 s, n-gram
-  chain of 4 1.9 -> 1.28 s, auto 2.78 -> 1.94 s at B = 1 and 6.37 -> 4.66 s at B = 8) and the
-  tokens/s stayed the same: the weight-heavy work runs in specjax's C++ kernels, not in XLA's
+  program's one LLVM module instead. Compile times fell 14-40 % (AR 1.34 -> 0.94 s, n-gram
+  chain of 4 2.24 -> 1.50 s, n-gram auto 3.42 -> 2.50 s at B = 1 and 6.86 -> 4.92 s at B = 8)
+  and the tokens/s stayed the same: the weight-heavy work runs in specjax's C++ kernels, not in XLA's
   fusions (`benchmarks/compile_time.py`, docs/measure_and_tune.md).
 
 Other backends get no options (these are XLA CPU's). The backend is read at a program's first

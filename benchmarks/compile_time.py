@@ -23,9 +23,10 @@ operations of the lowered StableHLO (`lowered.as_text()`), its `while` loops, th
 constants folded into it, the instructions of the optimised HLO, and its kernels (optimised
 instructions that run as a kernel of their own: XLA CPU's default compiles each distinct one
 as its own MLIR + LLVM module, most of the time; specjax's programs emit them into the
-program's one LLVM module, `xla_options`, whose codegen is then most of it). Every speculative compile runs between two AR compiles of its batch and its "x AR"
-is the median over rounds of its time over theirs, so drift of a shared machine cancels;
-`--repeat N` runs N rounds in rotating order and reports medians.
+program's one LLVM module, `xla_options`, whose codegen is then most of it). Every speculative
+compile runs between two AR compiles of its batch and its "x AR" is the median over rounds
+of its time over theirs, so drift of a shared machine cancels; `--repeat N` runs N rounds in
+rotating order and reports medians.
 
 `--baseline REV` compiles every program twice, with specjax as of git revision REV ("before",
 a snapshot on PYTHONPATH) and as in this working tree ("after"), in two worker processes that

@@ -52,7 +52,7 @@ def decode_pass(model, prompts, batch: int, draft, max_new: int) -> tuple[float,
 def drafts(model, batch: int) -> dict:
     """Each run's `draft` argument: None, and (AutoDrafter, AutoParams) merged and separate."""
     auto, _ = auto_drafter(model.cfg, model.params, NgramDrafter(tree=chain(1)), None, batch)
-    merged = dataclasses.replace(auto, merge_rows=batch * (1 + max(auto.lengths)))  # at any batch size
+    merged = dataclasses.replace(auto, merge_rows=auto.merged_verify_rows(batch))  # at any batch size
     separate = dataclasses.replace(auto, merge=False)
     assert merged.merged(batch) and not separate.merged(batch)
     out: dict = {"plain": None}

@@ -58,7 +58,8 @@ def main() -> None:
     plain_only = args.num_draft == 0
     inner = {"ngram": NgramDrafter, "suffix": SuffixDrafter}[args.draft](tree=chain(1))
     lengths = tuple(sorted(set(BASE_LENGTHS) | {args.num_draft}))
-    forced = AutoDrafter.wrap(inner, lengths, merge_rows=args.batch * (1 + max(lengths)))  # merged at any B
+    forced = AutoDrafter.wrap(inner, lengths)
+    forced = dataclasses.replace(forced, merge_rows=forced.merged_verify_rows(args.batch))  # merged at any B
     step_s = [1e-3 if d == args.num_draft else 1.0 for d in lengths]  # the forced shape: far the cheapest
     costs = AutoParams(None, jnp.asarray(step_s, jnp.float32))
     modes = {"static": {} if plain_only else {"draft": args.draft, "num_draft": args.num_draft},

@@ -19,8 +19,8 @@ the programs that run) is a `Program`. On the CPU backend it is compiled with
   AR decode program, 137 in n-gram auto's at B = 1); with the option off XLA emits them into the
   program's one LLVM module instead. Compile times fell 14-40 % (AR 1.34 -> 0.94 s, n-gram
   chain of 4 2.24 -> 1.50 s, n-gram auto 3.42 -> 2.50 s at B = 1 and 6.86 -> 4.92 s at B = 8)
-  and the tokens/s stayed the same: the weight-heavy work runs in specjax's C++ kernels, not in XLA's
-  fusions (`benchmarks/compile_time.py`, docs/measure_and_tune.md).
+  and the tokens/s stayed the same: the weight-heavy work runs in specjax's C++ kernels, not
+  in XLA's fusions (`benchmarks/compile_time.py`, docs/measure_and_tune.md).
 
 Other backends get no options (these are XLA CPU's). The backend is read at a program's first
 call, not at import: `jax.distributed.initialize` must come before any use of a backend. A

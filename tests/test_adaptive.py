@@ -1090,6 +1090,7 @@ def test_lookup_chains_merge_where_the_verify_is_narrow():
     drafter = AutoDrafter.wrap(NgramDrafter(tree=chain(1)), (0, 1, 2, 4, 8))
     assert drafter.merged(1) and not drafter.merged(2) and not drafter.merged(8)
     assert dataclasses.replace(drafter, merge_rows=72).merged(8)
+    assert drafter.merged_verify_rows(1) == 9 and drafter.merged_verify_rows(8) == 72
 
 
 @pytest.mark.skipif(cpu_attention_reason(model()[0]) is not None, reason="the CPU attention kernel is needed")

@@ -424,7 +424,12 @@ class AutoDrafter(Drafter):
         costs the same at any length, and the target's kernels skip the rows of the nodes
         deeper than the pick; where that verify holds at most `merge_rows` rows."""
         return (self.merge and bool(self.inner.observe_plain_steps) and len(self.lengths) > 2
-                and batch_size * (1 + max(self.lengths)) <= self.merge_rows)
+                and self.merged_verify_rows(batch_size) <= self.merge_rows)
+
+    def merged_verify_rows(self, batch_size: int) -> int:
+        """Rows of the merged loop's verify at `batch_size` rows: each row's root and the
+        longest chain."""
+        return batch_size * (1 + max(self.lengths))
 
     def _branch(self, num_draft: int | jax.Array, target, params, inner_params, sampling, criteria,
                 state: DecodeState, inner_state, metrics):
